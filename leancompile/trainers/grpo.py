@@ -1,0 +1,415 @@
+"""The native GRPO trainer for flow transformers, shared by FlowGRPO and DanceGRPO.
+
+One ``step(prompts)`` is: rollout (no grad, S denoising steps per sample with log-probs), rewards and
+group-normalised advantages, then the update: for each inner epoch, shuffled micro-batches, and for each
+micro-batch one micro-step per trained step (re-forward of the backbone with grad, clipped PPO loss, optional KL
+to the reference), with an optimizer step every ``gradient_accumulation_steps`` micro-batches.
+
+The trainer protocol that :func:`leancompile.optimize` relies on is spelled out in :mod:`leancompile.protocol`:
+the two backbone call sites are :meth:`GRPOTrainer.rollout_velocity` and :meth:`GRPOTrainer.train_velocity`.
+
+All randomness comes from three generators seeded by ``config.seed`` and consumed in a fixed order:
+``noise`` (initial latents, then SDE noise, chunk by chunk and step by step), ``steps`` (the SDE window at the
+start of the rollout, then each inner epoch's trained-step schedule) and ``shuffle`` (each inner epoch's sample
+order). Rewards cannot influence the first two, so an optimized trainer can draw them ahead of time.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import time
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+
+from ..backbones import Backbone, Conditioning
+from .advantages import check_rewards, group_advantages
+from .checkpoint import load_checkpoint, save_checkpoint
+from .config import DanceGRPOConfig, FlowGRPOConfig, GRPOConfig
+from .sampling import STEP_FUNCTIONS, ode_step, quantized_timestep, shifted_sigmas
+
+RewardFn = Callable[[torch.Tensor, Sequence], torch.Tensor]
+EncodeFn = Callable[[Sequence], Conditioning]
+
+_DTYPES = {"float32": torch.float32, "float64": torch.float64}
+
+
+@dataclass
+class Rollout:
+    """What the rollout hands to the update. ``latents[:, i]`` is the input of step i, ``latents[:, i + 1]`` its
+    output; ``log_probs[:, i]`` the log-prob of that output under the rollout's policy."""
+
+    prompts: list
+    cond: Conditioning  # (B, ...)
+    latents: torch.Tensor  # (B, S + 1, *latent_shape)
+    log_probs: torch.Tensor  # (B, S)
+    sigmas: torch.Tensor  # (S + 1,)
+    sde_steps: torch.Tensor  # (S,) bool: steps with noise (and a log-prob)
+    rewards: torch.Tensor | None = None  # (B,)
+
+    @property
+    def num_samples(self) -> int:
+        return self.latents.shape[0]
+
+    @property
+    def final(self) -> torch.Tensor:
+        return self.latents[:, -1]
+
+
+@dataclass(frozen=True)
+class MicroStep:
+    """One micro-step of the update: rows of the rollout, each at its own trained step."""
+
+    rows: torch.Tensor  # (b,) sample indices into the rollout
+    steps: torch.Tensor  # (b,) step index of each row
+    x: torch.Tensor
+    prev_sample: torch.Tensor
+    sigma: torch.Tensor
+    sigma_next: torch.Tensor
+    cond: Conditioning
+    log_prob_old: torch.Tensor
+    advantages: torch.Tensor
+
+
+class GRPOTrainer:
+    """Native GRPO for a flow transformer. Subclasses fix the step function and timestep convention."""
+
+    config_class = GRPOConfig
+
+    def __init__(
+        self,
+        config: GRPOConfig,
+        backbone: Backbone,
+        reward_fn: RewardFn,
+        encode: EncodeFn,
+        uncond: Conditioning | None = None,
+    ):
+        if not isinstance(config, self.config_class):
+            raise TypeError(f"config must be a {self.config_class.__name__}; got {type(config).__name__}")
+        if not isinstance(backbone, Backbone):
+            raise TypeError(f"backbone must be a leancompile.backbones.Backbone; got {type(backbone).__name__}")
+        if config.use_cfg and uncond is None:
+            raise ValueError(
+                f"uncond (the negative-prompt conditioning) is required when guidance_scale > 1; "
+                f"got guidance_scale={config.guidance_scale} and uncond=None"
+            )
+        self.config = config
+        self.dtype = _DTYPES[config.dtype]
+        self.device = next(backbone.parameters()).device
+        self.backbone = backbone.to(self.dtype)
+        self.reward_fn = reward_fn
+        self.encode = encode
+        self.uncond = uncond.to(device=self.device, dtype=self.dtype) if uncond is not None else None
+        self.step_fn = STEP_FUNCTIONS[config.step_kind]
+        self.sigmas = shifted_sigmas(config.num_steps, config.shift, self.dtype).to(self.device)
+        self.reference = self._prepare_parameters()
+        self.trainable = [p for p in self.backbone.parameters() if p.requires_grad]
+        self.trainable_names = [n for n, p in self.backbone.named_parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(
+            self.trainable,
+            lr=config.learning_rate,
+            betas=(config.adam_beta1, config.adam_beta2),
+            weight_decay=config.adam_weight_decay,
+            eps=config.adam_epsilon,
+        )
+        self.ema = [p.detach().clone() for p in self.trainable] if config.ema else None
+        self.generators = {name: torch.Generator().manual_seed(config.seed + offset)
+                           for offset, name in enumerate(("noise", "steps", "shuffle"))}
+        self.global_step = 0
+        self.optimizer_steps = 0
+
+    # ----------------------------------------------------------------------------------------------- set-up
+
+    def _prepare_parameters(self):
+        """LoRA via peft (the reference is the same model with adapters disabled) or full fine-tuning (the
+        reference is a frozen copy, kept only when the KL penalty needs it)."""
+        cfg = self.config
+        model = self.backbone.model
+        if cfg.gradient_checkpointing:
+            model.enable_gradient_checkpointing()
+        if cfg.lora_rank is None:
+            self.backbone.requires_grad_(True)
+            if cfg.beta > 0:
+                return copy.deepcopy(self.backbone).requires_grad_(False)
+            return None
+        from peft import LoraConfig
+
+        self.backbone.requires_grad_(False)
+        # peft initialises the adapters from the global generator; seed it so two runs start equal.
+        lora = LoraConfig(
+            r=cfg.lora_rank,
+            lora_alpha=cfg.lora_alpha or cfg.lora_rank,
+            target_modules=self.backbone.lora_target_modules(),
+            init_lora_weights="gaussian",
+        )
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(cfg.seed)
+            model.add_adapter(lora)
+        self.backbone.to(self.dtype)
+        return None
+
+    @contextlib.contextmanager
+    def reference_model(self):
+        """The KL reference: adapters disabled (LoRA) or the frozen initial weights (full fine-tuning)."""
+        if self.reference is not None:
+            yield self.reference
+            return
+        self.backbone.model.disable_adapters()
+        try:
+            yield self.backbone
+        finally:
+            self.backbone.model.enable_adapters()
+
+    # ------------------------------------------------------------------------------------ backbone calls
+
+    def model_timestep(self, sigma: torch.Tensor) -> torch.Tensor:
+        """The sigma the backbone is conditioned on (DanceGRPO quantises it)."""
+        return sigma
+
+    def autocast(self):
+        if self.config.mixed_precision == "bf16":
+            return torch.autocast(self.device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def guided_velocity(self, model, x, sigma, cond: Conditioning, *, detach_uncond: bool = False) -> torch.Tensor:
+        """The backbone's velocity, with classifier-free guidance over the doubled batch ``[uncond, cond]``."""
+        t = self.model_timestep(sigma).to(x.dtype)
+        if not self.config.use_cfg:
+            with self.autocast():
+                v = model(x, t, cond)
+            return v.to(x.dtype)
+        uncond = self.uncond.index(torch.zeros(x.shape[0], dtype=torch.long, device=x.device))
+        with self.autocast():
+            v = model(torch.cat([x, x]), torch.cat([t, t]), Conditioning.cat([uncond, cond]))
+        v_uncond, v_cond = v.to(x.dtype).chunk(2)
+        if detach_uncond:
+            v_uncond = v_uncond.detach()
+        return v_uncond + self.config.guidance_scale * (v_cond - v_uncond)
+
+    def rollout_velocity(self, step: int, rows: torch.Tensor, x, sigma, cond: Conditioning) -> torch.Tensor:
+        """Backbone call site 1: the rollout's forward of step ``step`` for samples ``rows`` (no grad)."""
+        with torch.no_grad():
+            return self.guided_velocity(self.backbone, x, sigma, cond)
+
+    def train_velocity(self, micro: MicroStep) -> torch.Tensor:
+        """Backbone call site 2: the update's re-forward (with grad) of the rollout's inputs."""
+        cfg = self.config
+        if cfg.use_cfg and not cfg.train_cfg:
+            with self.autocast():
+                return self.backbone(micro.x, self.model_timestep(micro.sigma).to(micro.x.dtype), micro.cond).to(micro.x.dtype)
+        return self.guided_velocity(self.backbone, micro.x, micro.sigma, micro.cond, detach_uncond=cfg.cfg_detach_uncond)
+
+    # ------------------------------------------------------------------------------------------- rollout
+
+    def sde_mask(self) -> torch.Tensor:
+        """Which steps are stochastic; with an SDE window, its start is drawn from the ``steps`` generator."""
+        cfg = self.config
+        if cfg.sde_window_size == 0:
+            return torch.ones(cfg.num_steps, dtype=torch.bool)
+        lo, hi = cfg.window_range
+        start = int(torch.randint(lo, hi - cfg.sde_window_size + 1, (1,), generator=self.generators["steps"]))
+        mask = torch.zeros(cfg.num_steps, dtype=torch.bool)
+        mask[start:start + cfg.sde_window_size] = True
+        return mask
+
+    def draw_noise(self, shape) -> torch.Tensor:
+        # Drawn in float32 on the CPU whatever the run's dtype and device, so trajectories match across them.
+        return torch.randn(shape, generator=self.generators["noise"]).to(self.device, self.dtype)
+
+    def rollout(self, prompts: Sequence) -> Rollout:
+        cfg = self.config
+        prompts = list(prompts)
+        if not prompts:
+            raise ValueError("prompts must hold at least one prompt; got an empty batch")
+        num = len(prompts) * cfg.group_size
+        cond = self.encode(prompts).repeat_interleave(cfg.group_size).to(device=self.device, dtype=self.dtype)
+        x0 = self.draw_noise((num, *self.backbone.latent_shape))
+        sde = self.sde_mask()
+        chunk = cfg.sample_batch_size or num
+        latents, log_probs = [], []
+        for start in range(0, num, chunk):
+            rows = torch.arange(start, min(start + chunk, num), device=self.device)
+            x = x0[rows]
+            traj, lps = [x], []
+            for i in range(cfg.num_steps):
+                sigma = self.sigmas[i].expand(len(rows))
+                sigma_next = self.sigmas[i + 1].expand(len(rows))
+                v = self.rollout_velocity(i, rows, x, sigma, cond.index(rows))
+                if sde[i]:
+                    res = self.step_fn(x, v, sigma, sigma_next, cfg.noise, noise=self.draw_noise(x.shape))
+                    x, lp = res.prev_sample, res.log_prob
+                else:
+                    x, lp = ode_step(x, v, sigma, sigma_next), torch.zeros(len(rows), dtype=x.dtype, device=x.device)
+                traj.append(x)
+                lps.append(lp)
+            latents.append(torch.stack(traj, dim=1))
+            log_probs.append(torch.stack(lps, dim=1))
+        rollout = Rollout(
+            prompts=[p for p in prompts for _ in range(cfg.group_size)],
+            cond=cond,
+            latents=torch.cat(latents).detach(),
+            log_probs=torch.cat(log_probs).detach(),
+            sigmas=self.sigmas,
+            sde_steps=sde,
+        )
+        rollout.rewards = check_rewards(self.reward_fn(rollout.final.float(), rollout.prompts), num).to(self.device)
+        return rollout
+
+    def advantages(self, rewards: torch.Tensor) -> torch.Tensor:
+        cfg = self.config
+        return group_advantages(rewards, cfg.group_size, unbiased=cfg.adv_unbiased, eps=cfg.adv_eps,
+                                global_std=cfg.global_std, clip=cfg.adv_clip_max).to(self.dtype)
+
+    # -------------------------------------------------------------------------------------------- update
+
+    def trained_step_schedule(self, rollout: Rollout) -> torch.Tensor:
+        """(B, k) step indices: row i's trained steps in the order they are trained."""
+        cfg = self.config
+        k, num = cfg.num_trained_steps, rollout.num_samples
+        if cfg.trained_steps == "random":
+            perms = [torch.randperm(cfg.num_steps, generator=self.generators["steps"])[:k] for _ in range(num)]
+            return torch.stack(perms)
+        steps = rollout.sde_steps.nonzero().flatten() if cfg.trained_steps == "window" else torch.arange(k)
+        return steps[:k].expand(num, k).clone()
+
+    def micro_batches(self, advantages: torch.Tensor) -> list[torch.Tensor]:
+        """This epoch's shuffled micro-batches of sample indices (zero-advantage samples dropped if configured)."""
+        cfg = self.config
+        kept = (advantages != 0).nonzero().flatten().cpu() if cfg.drop_zero_advantages else torch.arange(len(advantages))
+        order = kept[torch.randperm(len(kept), generator=self.generators["shuffle"])]
+        return list(order.split(cfg.train_batch_size)) if len(order) else []
+
+    def micro_step(self, rollout: Rollout, advantages: torch.Tensor, rows: torch.Tensor, steps: torch.Tensor) -> MicroStep:
+        rows, steps = rows.to(self.device), steps.to(self.device)
+        return MicroStep(
+            rows=rows,
+            steps=steps,
+            x=rollout.latents[rows, steps],
+            prev_sample=rollout.latents[rows, steps + 1],
+            sigma=rollout.sigmas[steps],
+            sigma_next=rollout.sigmas[steps + 1],
+            cond=rollout.cond.index(rows),
+            log_prob_old=rollout.log_probs[rows, steps],
+            advantages=advantages[rows],
+        )
+
+    def micro_step_loss(self, micro: MicroStep) -> tuple[torch.Tensor, dict]:
+        """The clipped PPO loss of one micro-step, plus ``beta`` times the KL to the reference."""
+        cfg = self.config
+        v = self.train_velocity(micro)
+        res = self.step_fn(micro.x, v, micro.sigma, micro.sigma_next, cfg.noise, prev_sample=micro.prev_sample)
+        ratio = torch.exp(res.log_prob - micro.log_prob_old)
+        adv = micro.advantages
+        unclipped = -adv * ratio
+        clipped = -adv * torch.clamp(ratio, 1 - cfg.clip_range, 1 + cfg.clip_range)
+        policy_loss = torch.mean(torch.maximum(unclipped, clipped))
+        loss = policy_loss
+        info = {
+            "policy_loss": policy_loss.detach(),
+            "clipfrac": (torch.abs(ratio - 1) > cfg.clip_range).to(ratio.dtype).mean().detach(),
+            "approx_kl": (0.5 * (res.log_prob - micro.log_prob_old) ** 2).mean().detach(),
+        }
+        if cfg.beta > 0:
+            with torch.no_grad(), self.reference_model() as ref:
+                v_ref = self.guided_velocity(ref, micro.x, micro.sigma, micro.cond)
+                mean_ref = self.step_fn(micro.x, v_ref, micro.sigma, micro.sigma_next, cfg.noise,
+                                        prev_sample=micro.prev_sample).mean
+            dims = tuple(range(1, res.mean.dim()))
+            kl = ((res.mean - mean_ref) ** 2).mean(dim=dims) / (2 * res.std**2)
+            loss = loss + cfg.beta * kl.mean()
+            info["kl"] = kl.mean().detach()
+        return loss, info
+
+    def backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+
+    def optimizer_step(self) -> None:
+        cfg = self.config
+        if cfg.max_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(self.trainable, cfg.max_grad_norm)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.optimizer_steps += 1
+        if self.ema is not None:
+            with torch.no_grad():
+                torch._foreach_lerp_(self.ema, [p.detach() for p in self.trainable], 1 - cfg.ema_decay)
+
+    def update(self, rollout: Rollout, advantages: torch.Tensor) -> dict:
+        cfg = self.config
+        k = cfg.num_trained_steps
+        scale = 1.0 / (cfg.gradient_accumulation_steps * k)
+        totals: dict[str, float] = {}
+        count = 0
+        for _ in range(cfg.num_inner_epochs):
+            schedule = self.trained_step_schedule(rollout)
+            batches = self.micro_batches(advantages)
+            for b, rows in enumerate(batches):
+                for j in range(k):
+                    micro = self.micro_step(rollout, advantages, rows, schedule[rows, j])
+                    loss, info = self.micro_step_loss(micro)
+                    self.backward(loss * scale)
+                    for key, value in {"loss": loss.detach(), **info}.items():
+                        totals[key] = totals.get(key, 0.0) + float(value)
+                    count += 1
+                if (b + 1) % cfg.gradient_accumulation_steps == 0 or b == len(batches) - 1:
+                    self.optimizer_step()
+        return {key: value / max(count, 1) for key, value in totals.items()}
+
+    # ---------------------------------------------------------------------------------------------- step
+
+    def step(self, prompts: Sequence) -> dict:
+        """One GRPO step: rollout, advantages, update. Returns scalar statistics."""
+        t0 = time.perf_counter()
+        rollout = self.rollout(prompts)
+        t1 = time.perf_counter()
+        advantages = self.advantages(rollout.rewards)
+        steps_before = self.optimizer_steps
+        stats = self.update(rollout, advantages)
+        t2 = time.perf_counter()
+        self.global_step += 1
+        rewards = rollout.rewards
+        stats.update(
+            step=self.global_step,
+            reward_mean=float(rewards.mean()),
+            reward_std=float(rewards.std(correction=0)),
+            kept_fraction=float((advantages != 0).float().mean()) if self.config.drop_zero_advantages else 1.0,
+            optimizer_steps=self.optimizer_steps - steps_before,
+            rollout_seconds=t1 - t0,
+            update_seconds=t2 - t1,
+            step_seconds=t2 - t0,
+        )
+        self.last_rollout = rollout
+        return stats
+
+    # ------------------------------------------------------------------------------------ state helpers
+
+    def ema_parameters(self) -> dict[str, torch.Tensor]:
+        """The EMA of the trainable weights by parameter name (empty when ``ema`` is off)."""
+        return dict(zip(self.trainable_names, self.ema)) if self.ema is not None else {}
+
+    def trainable_state(self) -> dict[str, torch.Tensor]:
+        return {n: p.detach() for n, p in zip(self.trainable_names, self.trainable)}
+
+    def save(self, path) -> None:
+        """Write the full training state atomically (see :mod:`leancompile.trainers.checkpoint`)."""
+        save_checkpoint(self, path)
+
+    def load(self, path) -> None:
+        """Restore the state written by :meth:`save` into this trainer (same config and backbone)."""
+        load_checkpoint(self, path)
+
+
+class FlowGRPOTrainer(GRPOTrainer):
+    """FlowGRPO (SDE or CPS steps); the backbone sees the continuous sigma."""
+
+    config_class = FlowGRPOConfig
+
+
+class DanceGRPOTrainer(GRPOTrainer):
+    """DanceGRPO; the backbone sees ``int(sigma * 1000) / 1000``."""
+
+    config_class = DanceGRPOConfig
+
+    def model_timestep(self, sigma: torch.Tensor) -> torch.Tensor:
+        return quantized_timestep(sigma)
