@@ -1,0 +1,25 @@
+"""Compiler passes over the traced rollout and update programs.
+
+Each pass is a function over FX graphs that records what it found in ``node.meta`` (keys in
+:mod:`leancompile.passes.meta`) and returns a small frozen result. :func:`run` applies them in order and lints
+every graph after each.
+"""
+from .backbone import SharedBackbone, detect_shared_backbone
+from .capture import BackboneCall, Programs, capture
+from .gradients import GradientNeed, prune_gradient_need
+from .rewrite import RewrittenPrograms, rewrite_for_retain
+from .validity import Validity, check_validity
+
+__all__ = [
+    "BackboneCall",
+    "GradientNeed",
+    "Programs",
+    "RewrittenPrograms",
+    "SharedBackbone",
+    "Validity",
+    "capture",
+    "check_validity",
+    "detect_shared_backbone",
+    "prune_gradient_need",
+    "rewrite_for_retain",
+]

@@ -263,14 +263,14 @@ class GRPOTrainer:
 
     # -------------------------------------------------------------------------------------------- update
 
-    def trained_step_schedule(self, rollout: Rollout) -> torch.Tensor:
+    def trained_step_schedule(self, num_samples: int, sde_steps: torch.Tensor) -> torch.Tensor:
         """(B, k) step indices: row i's trained steps in the order they are trained."""
         cfg = self.config
-        k, num = cfg.num_trained_steps, rollout.num_samples
+        k, num = cfg.num_trained_steps, num_samples
         if cfg.trained_steps == "random":
             perms = [torch.randperm(cfg.num_steps, generator=self.generators["steps"])[:k] for _ in range(num)]
             return torch.stack(perms)
-        steps = rollout.sde_steps.nonzero().flatten() if cfg.trained_steps == "window" else torch.arange(k)
+        steps = sde_steps.nonzero().flatten() if cfg.trained_steps == "window" else torch.arange(k)
         return steps[:k].expand(num, k).clone()
 
     def micro_batches(self, advantages: torch.Tensor) -> list[torch.Tensor]:
@@ -342,7 +342,7 @@ class GRPOTrainer:
         totals: dict[str, float] = {}
         count = 0
         for _ in range(cfg.num_inner_epochs):
-            schedule = self.trained_step_schedule(rollout)
+            schedule = self.trained_step_schedule(rollout.num_samples, rollout.sde_steps)
             batches = self.micro_batches(advantages)
             for b, rows in enumerate(batches):
                 for j in range(k):

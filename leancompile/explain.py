@@ -1,0 +1,24 @@
+"""Readable reports of an optimized trainer: its plan and its rewritten graphs."""
+from __future__ import annotations
+
+from .passes.meta import CALL, REWRITE, SHARED
+
+
+def graph_summary(gm) -> dict:
+    nodes = list(gm.graph.nodes)
+    return {
+        "nodes": len(nodes),
+        "backbone": sum(CALL in n.meta for n in nodes),
+        "shared": sum(SHARED in n.meta for n in nodes),
+        "inserted": [n.name for n in nodes if n.meta.get(REWRITE) == "inserted"],
+        "reused": [n.name for n in nodes if n.meta.get(REWRITE) == "reused"],
+    }
+
+
+def explain_text(trainer) -> str:
+    lines = [str(trainer.plan), "", "graphs:"]
+    for name, gm in trainer.graphs.items():
+        s = graph_summary(gm)
+        extra = "".join(f", {k}: {', '.join(s[k])}" for k in ("inserted", "reused") if s[k])
+        lines.append(f"  {name:<18} {s['nodes']:>5} nodes, {s['backbone']:>5} in backbone calls{extra}")
+    return "\n".join(lines)

@@ -1,0 +1,184 @@
+"""Shared-backbone detection: find the backbone computation the update repeats from the rollout.
+
+Every node of both programs gets a structural hash (a Merkle hash of its op and its arguments' hashes, where a
+placeholder hashes as its role, ``param:<name>`` or ``data:<name>``, and a constant tensor as its value). Two
+nodes with equal hashes compute the same function of the same parameters and of the same rollout buffers at the
+same ``(rows, steps)`` indices: stacking, indexing, shuffling (the indices), casts and CFG batch doubling are all
+part of the hashed expression. An update backbone call whose output hash equals a rollout call's output hash is
+therefore provably a recomputation of it.
+
+Writes ``node.meta[SHARED]`` (update node -> its rollout twin) and ``node.meta[PROVENANCE]`` (on each call's
+inputs: the row layout of the batch it feeds, e.g. two segments for ``[uncond, cond]``).
+"""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+
+from .meta import CALL, INPUT, PROVENANCE, SHARED
+
+# Ops that only move or cast rows; the provenance walk looks through them.
+_ROW_OPS = {"index.Tensor", "index_select.default", "select.int", "slice.Tensor", "expand.default", "view.default",
+            "_unsafe_view.default", "reshape.default", "clone.default", "_to_copy.default", "unsqueeze.default",
+            "squeeze.dim", "alias.default", "detach.default", "repeat.default", "permute.default"}
+
+
+@dataclass(frozen=True)
+class RowLayout:
+    """How a backbone call's batch is laid out: ``segments`` consecutive blocks of the micro-batch's rows
+    (2 for classifier-free guidance's ``[uncond, cond]``), each gathered from ``sources``."""
+
+    segments: int
+    sources: tuple[tuple[str, ...], ...]  # per segment: the data placeholders it reads
+
+
+@dataclass(frozen=True)
+class SharedBackbone:
+    """What the detection found: for each update backbone call, its rollout twin or why it has none."""
+
+    pairs: tuple[tuple[int, int], ...]  # (update call index, rollout call index)
+    layout: RowLayout | None  # the row layout of the shared call's batch
+    parameters: tuple[str, ...]  # the parameters the shared call reads
+    nodes: int  # backbone nodes of the update that are reused
+    unshared: tuple[tuple[int, str], ...]  # (update call index, reason)
+
+    @property
+    def found(self) -> bool:
+        return bool(self.pairs)
+
+
+def _target_name(node: fx.Node) -> str:
+    target = node.target
+    if isinstance(target, torch._ops.OpOverload):
+        return f"{target.overloadpacket.__name__}.{target._overloadname}"
+    return getattr(target, "__name__", str(target))
+
+
+def _hash_constant(value) -> str:
+    if isinstance(value, torch.Tensor):
+        data = value.detach().cpu().contiguous()
+        return f"tensor{tuple(data.shape)}{data.dtype}:" + hashlib.sha1(data.numpy().tobytes()).hexdigest()[:16]
+    return repr(value)
+
+
+def structural_hashes(gm: fx.GraphModule) -> dict[fx.Node, str]:
+    """The Merkle hash of every node (see the module docstring)."""
+    hashes: dict[fx.Node, str] = {}
+
+    def arg_key(a):
+        if isinstance(a, fx.Node):
+            return hashes[a]
+        if isinstance(a, (list, tuple)):
+            return "(" + ",".join(arg_key(x) for x in a) + ")"
+        return _hash_constant(a) if isinstance(a, torch.Tensor) else repr(a)
+
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            key = node.meta.get(INPUT, node.name)
+        elif node.op == "get_attr":
+            key = "const:" + _hash_constant(getattr(gm, node.target))
+        else:
+            key = _target_name(node) + arg_key(node.args) + arg_key(tuple(sorted(node.kwargs.items())))
+        hashes[node] = hashlib.sha1(key.encode()).hexdigest()
+    return hashes
+
+
+def backbone_calls(gm: fx.GraphModule) -> dict[int, list[fx.Node]]:
+    calls: dict[int, list[fx.Node]] = {}
+    for node in gm.graph.nodes:
+        if CALL in node.meta:
+            calls.setdefault(node.meta[CALL].index, []).append(node)
+    return calls
+
+
+def call_boundary(nodes: list[fx.Node]) -> tuple[list[fx.Node], list[fx.Node]]:
+    """A call region's inputs (outside nodes it reads) and outputs (its nodes read outside it)."""
+    region = set(nodes)
+    inputs, outputs = [], []
+    for node in nodes:
+        for arg in node.all_input_nodes:
+            if arg not in region and arg not in inputs:
+                inputs.append(arg)
+        if any(user not in region for user in node.users):
+            outputs.append(node)
+    return inputs, outputs
+
+
+def _sources(node: fx.Node) -> tuple[str, ...]:
+    """The data placeholders a value is gathered from."""
+    seen, stack, found = set(), [node], set()
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        role = n.meta.get(INPUT, "")
+        if role.startswith("data:"):
+            found.add(role[5:])
+        stack.extend(n.all_input_nodes)
+    return tuple(sorted(found))
+
+
+def row_layout(latent_input: fx.Node) -> RowLayout:
+    """The segments of the batch fed to a call: a ``cat`` along dim 0 of row-gathered parts is one segment each."""
+    node = latent_input
+    while node.op == "call_function" and _target_name(node) in _ROW_OPS - {"index.Tensor"}:
+        node = node.args[0]
+    if node.op == "call_function" and _target_name(node) == "cat.default" and (len(node.args) < 2 or node.args[1] == 0):
+        parts = node.args[0]
+        return RowLayout(len(parts), tuple(_sources(p) for p in parts))
+    return RowLayout(1, (_sources(node),))
+
+
+def _latent_input(inputs: list[fx.Node]) -> fx.Node:
+    """The call input that carries the latents (the one gathered from the ``latents`` buffer, largest first)."""
+    candidates = [n for n in inputs if "latents" in _sources(n)]
+    return max(candidates, key=lambda n: n.meta["val"].numel()) if candidates else inputs[0]
+
+
+def detect_shared_backbone(rollout: fx.GraphModule, update: fx.GraphModule) -> SharedBackbone:
+    """Pair each update backbone call with the rollout call it recomputes, if any."""
+    r_hash, u_hash = structural_hashes(rollout), structural_hashes(update)
+    r_calls, u_calls = backbone_calls(rollout), backbone_calls(update)
+    by_hash = {}
+    for index, nodes in r_calls.items():
+        for node in nodes:
+            by_hash.setdefault(r_hash[node], (index, node))
+    pairs, unshared, layout, params, reused = [], [], None, (), 0
+    for index, nodes in u_calls.items():
+        call = nodes[0].meta[CALL]
+        inputs, outputs = call_boundary(nodes)
+        matches = [by_hash.get(u_hash[o]) for o in outputs]
+        if not call.grad_enabled:
+            unshared.append((index, "runs without grad (e.g. the KL reference): nothing to reuse for a backward"))
+            continue
+        if not all(matches) or len({m[0] for m in matches}) != 1:
+            reason = _why_unshared(update, nodes, u_hash, r_calls, r_hash)
+            unshared.append((index, reason))
+            continue
+        twin = matches[0][0]
+        pairs.append((index, twin))
+        for node in nodes:
+            if u_hash[node] in by_hash:
+                node.meta[SHARED] = by_hash[u_hash[node]][1].name
+                reused += 1
+        layout = row_layout(_latent_input(inputs))
+        for node in inputs:
+            node.meta[PROVENANCE] = layout
+        for node in call_boundary(r_calls[twin])[0]:
+            node.meta[PROVENANCE] = layout
+        params = tuple(sorted(n.meta[INPUT][6:] for n in inputs if n.meta.get(INPUT, "").startswith("param:")))
+    return SharedBackbone(tuple(pairs), layout, params, reused, tuple(unshared))
+
+
+def _why_unshared(update, nodes, u_hash, r_calls, r_hash) -> str:
+    inputs, _ = call_boundary(nodes)
+    rollout_inputs = {r_hash[n] for nodes_r in r_calls.values() for n in call_boundary(nodes_r)[0]}
+    differing = [n for n in inputs if u_hash[n] not in rollout_inputs]
+    if differing:
+        roles = [n.meta.get(INPUT) or f"{n.name} (from {', '.join(_sources(n)) or 'constants'})" for n in differing]
+        return "its inputs differ from every rollout call's: " + "; ".join(roles[:4])
+    return "its computation differs from every rollout call's (different ops or parameters)"

@@ -1,0 +1,37 @@
+"""Plans: what the optimized trainer does at each denoising step, and why."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class StepAction:
+    step: int
+    action: str  # "retain" | "recompute" | "native" | "no-grad"
+    reason: str
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A schedule for every denoising step of a GRPO step, with the analyses that justify it."""
+
+    schedule: str  # "retain" | "native"
+    requested: str  # what the user asked for ("auto", "retain", ...)
+    steps: tuple[StepAction, ...]
+    reuse_window: str  # which update micro-steps reuse the rollout
+    shared: str  # what the shared-backbone detection found
+    pruned: str  # what gradient-need pruning removed from retention
+    findings: tuple[str, ...] = ()  # validity findings (numerics, refusals)
+
+    def action(self, step: int) -> StepAction:
+        return self.steps[step]
+
+    def __str__(self) -> str:
+        lines = [f"leancompile plan: schedule={self.schedule} (requested {self.requested})",
+                 f"  shared backbone: {self.shared}",
+                 f"  reuse window:    {self.reuse_window}",
+                 f"  pruned:          {self.pruned}"]
+        lines += [f"  finding:         {f}" for f in self.findings]
+        lines.append(f"  {'step':>4}  {'action':<10} reason")
+        lines += [f"  {a.step:>4}  {a.action:<10} {a.reason}" for a in self.steps]
+        return "\n".join(lines)

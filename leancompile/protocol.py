@@ -1,0 +1,37 @@
+"""The trainer protocol: what :func:`leancompile.optimize` needs from a FlowGRPO-style trainer.
+
+Nothing LeanGRPO-specific: these are the pieces every such trainer has, named. The native trainers in
+:mod:`leancompile.trainers` implement it; a user's trainer can too (subclass ``GRPOTrainer`` and override, or
+provide the same members).
+
+Attributes:
+    config: with ``num_steps``, ``group_size``, ``train_batch_size``, ``gradient_accumulation_steps``,
+        ``num_trained_steps``, ``trained_steps``, ``noise`` and the dtype fields.
+    backbone: the ``leancompile.backbones.Backbone`` the policy runs; every backbone call goes through
+        ``self.backbone(x, sigma, cond)``.
+    trainable: the parameters the optimizer updates.
+    sigmas, step_fn, dtype: the sigma schedule, the stochastic step ``step_fn(x, v, sigma, sigma_next, noise_level,
+        noise=... | prev_sample=...)`` and the run's dtype.
+
+Methods:
+    step(prompts) -> dict: one GRPO step (rollout, advantages, update).
+    rollout(prompts), sde_mask(), rollout_velocity(step, rows, x, sigma, cond): the rollout and its backbone
+        call site (no grad).
+    trained_step_schedule(num_samples, sde_steps), micro_step(rollout, advantages, rows, steps),
+        micro_step_loss(micro), train_velocity(micro): the update's schedule, inputs, loss and backbone call site.
+    backward(loss), optimizer_step(): the update's backward and optimizer step.
+"""
+from __future__ import annotations
+
+ATTRIBUTES = ("config", "backbone", "trainable", "sigmas", "step_fn", "dtype")
+METHODS = ("step", "rollout", "sde_mask", "rollout_velocity", "trained_step_schedule", "micro_step",
+           "micro_step_loss", "train_velocity", "backward", "optimizer_step")
+
+
+def check_protocol(trainer) -> None:
+    """Raise ``TypeError`` naming every member of the protocol that ``trainer`` lacks."""
+    missing = [a for a in ATTRIBUTES if not hasattr(trainer, a)]
+    missing += [m for m in METHODS if not callable(getattr(trainer, m, None))]
+    if missing:
+        raise TypeError(f"trainer {type(trainer).__name__} does not implement the leancompile trainer protocol; "
+                        f"missing: {missing} (see leancompile.protocol)")

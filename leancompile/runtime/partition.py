@@ -1,0 +1,95 @@
+"""The backbone compiled by AOTAutograd and split by the min-cut partitioner.
+
+Called with grad, the compiled backbone runs the partition's forward graph and saves exactly the tensors its
+backward graph needs: the activations a Retain plan keeps from the rollout until the update's backward. One
+compilation per input signature (shapes, dtypes, autocast, adapter state); the forward and backward graphs of
+the last compilation are kept for inspection.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+from functorch.compile import make_boxed_func
+from torch._functorch import config as functorch_config
+from torch._functorch.aot_autograd import aot_function
+from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+from ..backbones import Conditioning
+
+
+@dataclass
+class SavedBytes:
+    """Bytes of the tensors autograd saved for backward while the counter was active."""
+
+    total: int = 0
+
+    @contextlib.contextmanager
+    def counting(self):
+        def pack(t):
+            self.total += t.numel() * t.element_size()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            yield
+
+
+def _adapter_state(module) -> tuple:
+    return tuple(getattr(m, "disable_adapters", False) for m in module.modules() if hasattr(m, "lora_A"))
+
+
+@contextlib.contextmanager
+def _without_checkpointing(model):
+    """Retention is the opposite of activation checkpointing: compile the plain blocks."""
+    old = getattr(model, "gradient_checkpointing", False)
+    model.gradient_checkpointing = False
+    try:
+        yield
+    finally:
+        model.gradient_checkpointing = old
+
+
+class PartitionedBackbone:
+    """``backbone(x, sigma, cond)`` through AOTAutograd's joint graph and min-cut partition."""
+
+    def __init__(self, backbone, memory_budget: float = 1.0):
+        self.backbone = backbone
+        self.memory_budget = memory_budget
+        self._compiled = {}
+        self.forward_graph: torch.fx.GraphModule | None = None
+        self.backward_graph: torch.fx.GraphModule | None = None
+
+    def _signature(self, x, sigma, cond):
+        pooled = None if cond.pooled is None else (tuple(cond.pooled.shape), cond.pooled.dtype)
+        autocast = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else None
+        return (tuple(x.shape), x.dtype, tuple(sigma.shape), tuple(cond.text.shape), cond.text.dtype, pooled,
+                autocast, _adapter_state(self.backbone))
+
+    def _compile(self):
+        backbone = self.backbone
+
+        def forward(params, buffers, x, sigma, text, pooled):
+            cond = Conditioning(text, pooled)
+            return torch.func.functional_call(backbone, (params, buffers), (x, sigma, cond))
+
+        def keep_forward(gm, _):
+            self.forward_graph = gm
+            return make_boxed_func(gm)
+
+        def keep_backward(gm, _):
+            self.backward_graph = gm
+            return make_boxed_func(gm)
+
+        return aot_function(forward, fw_compiler=keep_forward, bw_compiler=keep_backward,
+                            partition_fn=min_cut_rematerialization_partition)
+
+    def __call__(self, x, sigma, cond: Conditioning) -> torch.Tensor:
+        key = self._signature(x, sigma, cond)
+        if key not in self._compiled:
+            self._compiled[key] = self._compile()
+        params = dict(self.backbone.named_parameters())
+        buffers = dict(self.backbone.named_buffers())
+        with _without_checkpointing(self.backbone.model), \
+                functorch_config.patch(activation_memory_budget=self.memory_budget):
+            return self._compiled[key](params, buffers, x, sigma, cond.text, cond.pooled)

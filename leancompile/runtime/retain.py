@@ -1,0 +1,200 @@
+"""Retain at run time: the rollout keeps the autograd graphs of the backbone calls the update will differentiate,
+and the update's backward runs through them instead of re-running the forward.
+
+The rollout's call for step i over rows R is made with grad through the partitioned backbone; its output (whose
+``grad_fn`` holds the partition's saved tensors) is kept with a gradient buffer. A reusing micro-step gathers its
+rows from those outputs as leaves, backpropagates its loss to them, and the leaf gradients are scattered into the
+buffers. Before the first optimizer step one backward per kept call sends the summed gradient into the weights;
+the graphs are then freed, and later micro-steps recompute (the weights have changed).
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+
+import torch
+
+from ..backbones import Conditioning
+from .partition import PartitionedBackbone, SavedBytes
+
+
+@dataclass
+class KeptCall:
+    """One rollout backbone call kept for the update."""
+
+    step: int
+    rows: torch.Tensor  # sample indices, in batch order within each segment
+    inputs: torch.Tensor  # the call's latent input, to verify that a reuse sees the same values
+    values: torch.Tensor  # the call's output, detached (all segments)
+    with_grad: torch.Tensor  # the output of the segments that need gradient, with its autograd graph
+    grad: torch.Tensor | None = None
+
+
+@dataclass
+class MicroStepRecord:
+    epoch: int
+    batch: int
+    slot: int
+    action: str  # "reuse" | "recompute"
+    reason: str
+
+
+@dataclass
+class RetainState:
+    """Per-GRPO-step state of the Retain runtime."""
+
+    kept: list[KeptCall] = field(default_factory=list)
+    where: dict[tuple[int, int], tuple[int, int]] = field(default_factory=dict)  # (row, step) -> (call, position)
+    pending: list[tuple[torch.Tensor, list[tuple[int, int]], int]] = field(default_factory=list)
+    versions: list[int] | None = None
+    window_open: bool = True
+    schedule: torch.Tensor | None = None  # epoch 0's trained steps, drawn before the rollout
+    records: list[MicroStepRecord] = field(default_factory=list)
+    retained_bytes: int = 0
+    epoch: int = 0
+    batch: int = 0
+    slot: int = 0
+    batch_rows: object = None  # the micro-batch being trained, to count micro-batches and slots
+
+
+class RetainRuntime:
+    """Executes a Retain plan for one trainer. ``segments`` is the row layout of the shared call's batch and
+    ``grad_segments`` those the loss differentiates (from the passes)."""
+
+    def __init__(self, trainer, segments: int, grad_segments: tuple[int, ...], memory_budget: float = 1.0):
+        self.trainer = trainer
+        self.segments = segments
+        self.grad_segments = grad_segments
+        self.partitioned = PartitionedBackbone(trainer.backbone, memory_budget)
+        self.state = RetainState()
+
+    # ------------------------------------------------------------------------------------------ rollout
+
+    def needs_retention(self, step: int, rows: torch.Tensor) -> bool:
+        schedule = self.state.schedule
+        return schedule is not None and bool((schedule[rows.cpu()] == step).any())
+
+    def kept_call(self, step: int, rows: torch.Tensor):
+        """A callable with the backbone's signature that runs and keeps the rollout's call for ``(step, rows)``."""
+
+        def call(x, sigma, cond: Conditioning):
+            b = len(rows)
+            parts, grad_parts = [], []
+            counter = SavedBytes()
+            for s in range(self.segments):
+                seg = slice(s * b, (s + 1) * b)
+                args = (x[seg], sigma[seg], cond.index(torch.arange(s * b, (s + 1) * b, device=x.device)))
+                if s in self.grad_segments:
+                    with torch.enable_grad(), counter.counting():
+                        out = self.partitioned(*args)
+                    grad_parts.append(out)
+                    parts.append(out.detach())
+                else:
+                    with torch.no_grad():
+                        parts.append(self.partitioned.backbone(*args))
+            values = torch.cat(parts)
+            with_grad = torch.cat(grad_parts) if len(grad_parts) > 1 else grad_parts[0]
+            state = self.state
+            index = len(state.kept)
+            state.kept.append(KeptCall(step, rows.cpu(), x.detach(), values, with_grad))
+            state.retained_bytes += counter.total
+            for position, row in enumerate(rows.tolist()):
+                state.where[(row, step)] = (index, position)
+            return values
+
+        return call
+
+    # ------------------------------------------------------------------------------------------- update
+
+    def reuse_refusal(self, micro) -> str | None:
+        """Why ``micro`` cannot reuse the rollout (None if it can)."""
+        state = self.state
+        if not state.window_open:
+            return "after an optimizer step: the weights differ from the rollout's"
+        missing = [(r, s) for r, s in zip(micro.rows.tolist(), micro.steps.tolist()) if (r, s) not in state.where]
+        if missing:
+            return f"rows/steps {missing[:3]} were not kept by the rollout"
+        versions = [p._version for p in self.trainer.trainable]
+        if state.versions is None:
+            state.versions = versions
+        elif versions != state.versions:
+            return "the trainable weights were modified since the rollout"
+        return None
+
+    def reused_call(self, micro):
+        """A callable with the backbone's signature that returns the kept outputs for ``micro``'s rows."""
+
+        def call(x, sigma, cond: Conditioning):
+            state = self.state
+            b = len(micro.rows)
+            places = [state.where[(r, s)] for r, s in zip(micro.rows.tolist(), micro.steps.tolist())]
+            parts = []
+            for s in range(self.segments):
+                seg = []
+                for call_index, position in places:
+                    kept = state.kept[call_index]
+                    n = len(kept.rows)
+                    seg.append(kept.values[s * n + position])
+                    if not torch.equal(kept.inputs[s * n + position], x[s * b + len(seg) - 1]):
+                        raise RuntimeError("leancompile: a reused backbone input differs from the rollout's; "
+                                           "the rows/steps mapping is wrong (please report this)")
+                part = torch.stack(seg)
+                if s in self.grad_segments:
+                    part = part.clone().requires_grad_()
+                    state.pending.append((part, places, self.grad_segments.index(s)))
+                parts.append(part)
+            return torch.cat(parts)
+
+        return call
+
+    def collect(self) -> None:
+        """After a micro-step's backward: move its leaves' gradients into the kept calls' buffers."""
+        state = self.state
+        for leaf, places, grad_segment in state.pending:
+            if leaf.grad is None:
+                continue
+            for row_grad, (call_index, position) in zip(leaf.grad, places):
+                kept = state.kept[call_index]
+                if kept.grad is None:
+                    kept.grad = torch.zeros_like(kept.with_grad)
+                kept.grad[grad_segment * len(kept.rows) + position] += row_grad
+        state.pending.clear()
+
+    def flush(self) -> None:
+        """One backward through every kept call that received gradient, then free them all."""
+        state = self.state
+        used = [k for k in state.kept if k.grad is not None]
+        if used:
+            torch.autograd.backward([k.with_grad for k in used], [k.grad for k in used])
+        state.kept.clear()
+        state.where.clear()
+        state.window_open = False
+
+    def record(self, action: str, reason: str) -> None:
+        s = self.state
+        s.records.append(MicroStepRecord(s.epoch, s.batch, s.slot, action, reason))
+
+
+@contextlib.contextmanager
+def swapped_backbone(trainer, call):
+    """Route the trainer's backbone calls (``self.backbone(...)``) to ``call`` for the duration."""
+    original = trainer.backbone
+    trainer.__dict__["backbone"] = _CallAs(original, call)
+    try:
+        yield
+    finally:
+        trainer.__dict__["backbone"] = original
+
+
+class _CallAs:
+    """Looks like the backbone (attributes delegate to it) but calls ``call``."""
+
+    def __init__(self, backbone, call):
+        self._backbone = backbone
+        self._call = call
+
+    def __call__(self, *args, **kwargs):
+        return self._call(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._backbone, name)
