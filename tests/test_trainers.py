@@ -66,11 +66,11 @@ def test_optimizer_steps_follow_accumulation_and_epochs(make_trainer, batch, acc
 def test_trained_step_schedules(make_trainer):
     first = make_trainer(FlowGRPOConfig(num_steps=10, timestep_fraction=0.99, group_size=2))
     rollout = first.rollout([1])
-    assert first.trained_step_schedule(rollout).tolist() == [list(range(9))] * 2
+    assert first.trained_step_schedule(rollout.num_samples, rollout.sde_steps).tolist() == [list(range(9))] * 2
 
     dance = make_trainer(DanceGRPOConfig(num_steps=16, timestep_fraction=0.6, group_size=3))
     rollout = dance.rollout([1])
-    schedule = dance.trained_step_schedule(rollout)
+    schedule = dance.trained_step_schedule(rollout.num_samples, rollout.sde_steps)
     assert schedule.shape == (3, 9)  # int(15 * 0.6) = 9 per sample
     assert all(len(set(row)) == 9 and max(row) < 16 for row in schedule.tolist())
     assert len({tuple(row) for row in schedule.tolist()}) > 1  # drawn per sample
@@ -79,7 +79,7 @@ def test_trained_step_schedules(make_trainer):
     rollout = window.rollout([1])
     steps = rollout.sde_steps.nonzero().flatten()
     assert len(steps) == 3 and (steps[1:] - steps[:-1]).tolist() == [1, 1]
-    assert window.trained_step_schedule(rollout).tolist() == [steps.tolist()] * 2
+    assert window.trained_step_schedule(rollout.num_samples, rollout.sde_steps).tolist() == [steps.tolist()] * 2
     assert bool((rollout.log_probs[:, ~rollout.sde_steps] == 0).all())
 
 
