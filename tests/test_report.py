@@ -1,0 +1,91 @@
+"""The HTML inspection report and the ``leancompile explain`` command."""
+import html
+import re
+import shutil
+import xml.etree.ElementTree as ET
+
+import pytest
+
+from leancompile import cli, report
+from leancompile.passes.meta import CALL, SHARED
+from leancompile.passes.rewrite import REUSED, RETAINED
+
+
+@pytest.fixture(scope="module")
+def retain():
+    trainer = report.optimized_tiny_trainer("sd3", schedule="retain")
+    trainer.step(list(report.TINY_PROMPTS))  # adds the partition graphs
+    return trainer
+
+
+def _svgs(page: str) -> list[str]:
+    return re.findall(r"<svg\b.*?</svg>", page, re.S)
+
+
+def _check_page(trainer, page: str) -> None:
+    assert "Legend" in page and all(html.escape(text) in page for *_, text in report.ROLES.values())
+    for action in trainer.plan.steps:
+        assert f"<tr><td>{action.step}</td><td>{action.action}</td>" in page
+    svgs = _svgs(page)
+    assert len(svgs) == len(trainer.graphs)
+    for svg in svgs:
+        ET.fromstring(svg)  # well-formed on its own
+    assert "<link" not in page and "src=" not in page  # self-contained
+
+
+def test_summary_counts_the_rewrite(retain):
+    counts = report.summary(retain)
+    assert set(counts) == {"rollout", "update", "rollout_traced", "update_traced", "backbone_forward",
+                           "backbone_backward"}
+    assert counts["update"]["names"]["reused"] == [REUSED]
+    assert counts["rollout"]["names"]["inserted"] == [RETAINED]
+    kept = {n.name for n in retain.graphs["update"].graph.nodes}
+    vanished = [n.name for n in retain.graphs["update_traced"].graph.nodes if SHARED in n.meta and n.name not in kept]
+    assert counts["update_traced"]["removed"] == len(vanished) > 0
+    assert counts["update_traced"]["names"]["removed"] == vanished
+    assert counts["update"]["backbone"] == 0
+    assert counts["rollout_traced"]["backbone"] == sum(CALL in n.meta for n in retain.graphs["rollout_traced"].graph.nodes)
+
+
+def test_call_regions_collapse_into_one_box(retain):
+    gm = retain.graphs["rollout_traced"]
+    boxes, edges = report.graph_boxes(gm, report.node_roles(retain.graphs, "rollout_traced"))
+    calls = [b for b in boxes if b.role == "backbone"]
+    assert len(calls) == 1 and calls[0].lines[0] == "backbone call 0 (backbone)"
+    assert "676 aten nodes" in calls[0].lines[1] and "134 parameters" in calls[0].lines[3]
+    assert len(boxes) < len(gm.graph.nodes) / 8
+    assert all(a != b for a, b in edges)
+
+
+def test_html_report_in_pure_python(retain, tmp_path):
+    path = report.write_html_report(retain, tmp_path / "report.html", layout="python")
+    page = path.read_text()
+    _check_page(retain, page)
+    assert REUSED in page and RETAINED in page
+    assert "removed by the rewrite" in page
+
+
+@pytest.mark.skipif(shutil.which("dot") is None, reason="graphviz's dot is not installed")
+def test_html_report_with_graphviz(retain, tmp_path):
+    page = report.write_html_report(retain, tmp_path / "report.html", layout="dot").read_text()
+    _check_page(retain, page)
+    assert report.ROLES["reused"][0] in page and report.ROLES["removed"][0] in page
+
+
+def test_the_native_schedule_inserts_and_removes_nothing(tmp_path):
+    trainer = report.optimized_tiny_trainer("sd3", schedule="native")
+    counts = report.summary(trainer)
+    assert set(counts) == {"rollout", "update"}
+    assert all(c[role] == 0 for c in counts.values() for role in report.HIGHLIGHTED)
+    page = report.write_html_report(trainer, tmp_path / "report.html").read_text()
+    _check_page(trainer, page)
+    drawings = "".join(_svgs(page))
+    assert not any(report.ROLES[role][0] in drawings for role in report.HIGHLIGHTED)
+
+
+def test_explain_command_prints_the_plan_and_writes_the_report(tmp_path, capsys):
+    assert cli.main(["explain", "--out", str(tmp_path)]) == 0
+    printed = capsys.readouterr().out
+    assert "leancompile plan: schedule=retain" in printed and "backbone_forward" in printed
+    page = (tmp_path / "report.html").read_text()
+    assert len(_svgs(page)) == 6 and RETAINED in page
