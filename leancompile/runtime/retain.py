@@ -78,22 +78,28 @@ class RetainRuntime:
         """A callable with the backbone's signature that runs and keeps the rollout's call for ``(step, rows)``."""
 
         def call(x, sigma, cond: Conditioning):
-            b = len(rows)
-            parts, grad_parts = [], []
             counter = SavedBytes()
-            for s in range(self.segments):
-                seg = slice(s * b, (s + 1) * b)
-                args = (x[seg], sigma[seg], cond.index(torch.arange(s * b, (s + 1) * b, device=x.device)))
-                if s in self.grad_segments:
-                    with torch.enable_grad(), counter.counting():
-                        out = self.partitioned(*args)
-                    grad_parts.append(out)
-                    parts.append(out.detach())
-                else:
-                    with torch.no_grad():
-                        parts.append(self.partitioned.backbone(*args))
-            values = torch.cat(parts)
-            with_grad = torch.cat(grad_parts) if len(grad_parts) > 1 else grad_parts[0]
+            if len(self.grad_segments) == self.segments:
+                with torch.enable_grad(), counter.counting():
+                    with_grad = self.partitioned(x, sigma, cond)
+                values = with_grad.detach()
+            else:
+                # Segments without gradient run without grad: the rollout keeps nothing for them.
+                b = len(rows)
+                parts, grad_parts = [], []
+                for s in range(self.segments):
+                    seg = torch.arange(s * b, (s + 1) * b, device=x.device)
+                    args = (x[seg], sigma[seg], cond.index(seg))
+                    if s in self.grad_segments:
+                        with torch.enable_grad(), counter.counting():
+                            grad_parts.append(self.partitioned(*args))
+                        parts.append(grad_parts[-1].detach())
+                    else:
+                        with torch.no_grad():
+                            parts.append(self.partitioned.backbone(*args))
+                values = torch.cat(parts)
+                with torch.enable_grad():
+                    with_grad = torch.cat(grad_parts) if len(grad_parts) > 1 else grad_parts[0]
             state = self.state
             index = len(state.kept)
             state.kept.append(KeptCall(step, rows.cpu(), x.detach(), values, with_grad))
