@@ -22,6 +22,11 @@ _RANDOM_OPS = {"native_dropout", "bernoulli", "rand", "randn", "rand_like", "ran
                "uniform", "multinomial"}
 
 
+def _op_name(node: fx.Node) -> str:
+    """The op's name without overload or in-place suffix: ``bernoulli_.float`` -> ``bernoulli``."""
+    return _target_name(node).split(".")[0].rstrip("_")
+
+
 @dataclass(frozen=True)
 class Finding:
     kind: str  # "mode" | "rng" | "numerics"
@@ -50,8 +55,7 @@ def check_validity(rollout: fx.GraphModule, update: fx.GraphModule, pair: tuple[
     if u_call.training != r_call.training:
         findings.append(Finding("mode", f"the backbone is in {'train' if r_call.training else 'eval'} mode in the "
                                 f"rollout but {'train' if u_call.training else 'eval'} mode in the update", True))
-    random_ops = sorted({_target_name(n).split(".")[0] for n in u_nodes + r_nodes
-                         if n.op == "call_function" and _target_name(n).split(".")[0] in _RANDOM_OPS})
+    random_ops = sorted({_op_name(n) for n in u_nodes + r_nodes if n.op == "call_function" and _op_name(n) in _RANDOM_OPS})
     if random_ops:
         findings.append(Finding("rng", f"the backbone draws random numbers ({', '.join(random_ops)}, e.g. dropout): "
                                 "the update's draws would differ from the rollout's", True))

@@ -1,0 +1,137 @@
+"""Structural tests of each pass: what it finds, what it marks, what the rewrite inserts and removes."""
+import pytest
+import torch
+
+from leancompile import backbones, optimize, passes
+from leancompile.passes.backbone import backbone_calls, call_boundary
+from leancompile.passes.meta import CALL, INPUT, NEEDS_GRAD, PROVENANCE, REWRITE, SHARED
+from leancompile.passes.rewrite import RETAINED, REUSED
+from leancompile.trainers import DanceGRPOConfig, FlowGRPOConfig, FlowGRPOTrainer
+
+from conftest import PromptTable, mean_reward
+
+
+def _trainer(family="sd3", **kw):
+    backbone = backbones.tiny(family, seed=0)
+    prompts = PromptTable(backbone)
+    config = FlowGRPOConfig(num_steps=3, group_size=2, **kw)
+    return FlowGRPOTrainer(config, backbone, mean_reward, prompts, uncond=prompts.uncond if config.use_cfg else None)
+
+
+@pytest.fixture(scope="module")
+def cfg_kl_programs():
+    trainer = _trainer(guidance_scale=2.0, cfg_detach_uncond=True, beta=0.05)
+    return trainer, passes.capture(trainer)
+
+
+def test_capture_tags_placeholders_and_backbone_calls(cfg_kl_programs):
+    trainer, programs = cfg_kl_programs
+    roles = [n.meta[INPUT] for n in programs.update.graph.nodes if n.op == "placeholder"]
+    assert roles[:len(trainer.trainable_names)] and all(r.startswith(("param:", "buffer:", "data:")) for r in roles)
+    assert {f"param:{n}" for n, _ in trainer.backbone.named_parameters()} <= set(roles)
+    rollout_calls = {n.meta[CALL] for n in programs.rollout.graph.nodes if CALL in n.meta}
+    update_calls = {n.meta[CALL] for n in programs.update.graph.nodes if CALL in n.meta}
+    assert [(c.grad_enabled, c.adapters_enabled) for c in rollout_calls] == [(False, True)]
+    # the policy's re-forward (grad) and the KL reference (adapters disabled, no grad)
+    assert sorted((c.index, c.grad_enabled, c.adapters_enabled) for c in update_calls) == [(0, True, True),
+                                                                                         (1, False, False)]
+
+
+def test_detection_pairs_the_policy_call_and_maps_the_cfg_layout(cfg_kl_programs):
+    trainer, programs = cfg_kl_programs
+    shared = passes.detect_shared_backbone(programs.rollout, programs.update)
+    assert shared.pairs == ((0, 0),)
+    assert shared.layout.segments == 2  # [uncond, cond]
+    assert all("latents" in s for s in shared.layout.sources)
+    assert set(shared.parameters) >= {n for n in trainer.trainable_names}  # the LoRA weights are read
+    assert [i for i, _ in shared.unshared] == [1] and "without grad" in shared.unshared[0][1]
+    policy = backbone_calls(programs.update)[0]
+    assert sum(SHARED in n.meta for n in policy) == shared.nodes > 0.9 * len(policy)
+    inputs, _ = call_boundary(policy)
+    assert any(PROVENANCE in n.meta for n in inputs)
+
+
+def test_detection_refuses_an_update_that_sees_different_inputs():
+    trainer = _trainer(guidance_scale=2.0, train_cfg=False)  # rollout doubles the batch, the update does not
+    programs = passes.capture(trainer)
+    shared = passes.detect_shared_backbone(programs.rollout, programs.update)
+    assert not shared.found and "inputs differ" in shared.unshared[0][1]
+    plan = optimize(trainer, schedule="auto").plan
+    assert plan.schedule == "native" and "inputs differ" in plan.steps[0].reason
+
+
+def test_gradient_pruning_drops_the_detached_uncond_branch(cfg_kl_programs):
+    _, programs = cfg_kl_programs
+    need = passes.prune_gradient_need(programs.update, 0, 2)
+    assert need.needed == (1,) and need.pruned == (0,)
+    _, outputs = call_boundary(backbone_calls(programs.update)[0])
+    assert outputs[0].meta[NEEDS_GRAD] == (1,)
+    attached = passes.capture(_trainer(guidance_scale=2.0))
+    assert passes.prune_gradient_need(attached.update, 0, 2).needed == (0, 1)
+
+
+def test_pruning_halves_the_retained_bytes():
+    def retained(detach):
+        trainer = optimize(_trainer(guidance_scale=2.0, cfg_detach_uncond=detach, train_batch_size=4), "retain")
+        return trainer.step([1, 2])["retained_bytes"]
+
+    full, pruned = retained(False), retained(True)
+    assert 0.4 * full <= pruned <= 0.6 * full
+
+
+def test_validity_refuses_dropout():
+    trainer = _trainer()
+    for module in trainer.backbone.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.1
+    for module in trainer.backbone.modules():
+        if hasattr(module, "dropout") and isinstance(getattr(module, "dropout"), float):
+            module.dropout = 0.1
+    trainer.backbone.train()
+    programs = passes.capture(trainer)
+    validity = passes.check_validity(programs.rollout, programs.update, (0, 0))
+    assert not validity.reusable and any(f.kind == "rng" for f in validity.findings)
+    plan = optimize(trainer, schedule="retain").plan
+    assert plan.schedule == "native" and "random" in plan.steps[0].reason
+
+
+def test_rewrite_inserts_the_retained_output_and_removes_the_update_backbone(cfg_kl_programs):
+    _, programs = cfg_kl_programs
+    rewritten = passes.rewrite_for_retain(programs.rollout, programs.update, (0, 0))
+    r_nodes = {n.name: n for n in rewritten.rollout.graph.nodes}
+    assert r_nodes[RETAINED].meta[REWRITE] == "inserted"
+    output = next(n for n in rewritten.rollout.graph.nodes if n.op == "output")
+    assert r_nodes[RETAINED] in output.all_input_nodes
+    u_nodes = {n.name: n for n in rewritten.update.graph.nodes}
+    assert u_nodes[REUSED].op == "placeholder" and u_nodes[REUSED].meta[REWRITE] == "reused"
+    policy_left = [n for n in rewritten.update.graph.nodes if CALL in n.meta and n.meta[CALL].index == 0]
+    reference_left = [n for n in rewritten.update.graph.nodes if CALL in n.meta and n.meta[CALL].index == 1]
+    assert not policy_left and reference_left  # the reference forward stays
+    assert len(rewritten.removed) >= len(backbone_calls(programs.update)[0])
+
+
+def test_optimize_errors_name_the_parameter():
+    trainer = _trainer()
+    with pytest.raises(ValueError, match="schedule must be one of"):
+        optimize(trainer, schedule="fast")
+    with pytest.raises(ValueError, match=r"memory_budget must be a fraction in \(0, 1\]"):
+        optimize(trainer, schedule="retain", memory_budget=2.0)
+    with pytest.raises(TypeError, match="missing: .*rollout_velocity"):
+        optimize(object(), schedule="retain")
+
+
+def test_native_schedule_runs_the_untransformed_program():
+    native = optimize(_trainer(), schedule="native")
+    assert native.plan.schedule == "native" and native._runtime is None
+    assert "reused_micro_steps" not in native.step([1])
+
+
+def test_dancegrpo_plan_and_explain():
+    backbone = backbones.tiny("wan", seed=0)
+    prompts = PromptTable(backbone)
+    from leancompile.trainers import DanceGRPOTrainer
+    trainer = optimize(DanceGRPOTrainer(DanceGRPOConfig(num_steps=4, group_size=2), backbone, mean_reward, prompts))
+    assert trainer.plan.schedule == "retain"
+    assert [a.action for a in trainer.plan.steps] == ["retain"] * 4
+    text = trainer.explain()
+    assert "reused_backbone_out_from_rollout" in text and "retain_backbone_out_for_update" in text
