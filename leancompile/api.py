@@ -168,7 +168,8 @@ def optimize(trainer, schedule: str = "auto", memory_budget: float | None = None
                                 + (unshared or "nothing found"))
         else:
             pair = shared.pairs[0]
-            validity = passes.check_validity(programs.rollout, programs.update, pair, strict=strict)
+            validity = passes.check_validity(programs.rollout, programs.update, pair, strict=strict,
+                                             cast_only=shared.cast_only)
             findings = tuple(f"{f.kind}: {f.message}" for f in validity.findings)
             description = (f"update call {pair[0]} recomputes rollout call {pair[1]} ({shared.nodes} aten nodes, "
                            f"{len(shared.parameters)} parameters, batch of {shared.layout.segments} segment(s))"
@@ -181,7 +182,8 @@ def optimize(trainer, schedule: str = "auto", memory_budget: float | None = None
                 rewritten = passes.rewrite_for_retain(programs.rollout, programs.update, pair)
                 graphs = {"rollout": rewritten.rollout, "update": rewritten.update,
                           "rollout_traced": programs.rollout, "update_traced": programs.update}
-                runtime = RetainRuntime(trainer, shared.layout.segments, need.needed, memory_budget or 1.0)
+                runtime = RetainRuntime(trainer, shared.layout.segments, need.needed, memory_budget or 1.0,
+                                        verify_inputs=not shared.cast_only)
                 pruned = (f"segment(s) {list(need.pruned)} of the batch carry no gradient (e.g. a detached CFG "
                           "branch): run without grad, not retained") if need.pruned else "nothing"
                 plan = Plan("retain", schedule, _retain_steps(config), _reuse_window(config), description, pruned,

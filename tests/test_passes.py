@@ -135,3 +135,25 @@ def test_dancegrpo_plan_and_explain():
     assert [a.action for a in trainer.plan.steps] == ["retain"] * 4
     text = trainer.explain()
     assert "reused_backbone_out_from_rollout" in text and "retain_backbone_out_for_update" in text
+
+
+class RoundingRolloutTrainer(FlowGRPOTrainer):
+    """Like the originals that cast to fp16 before the transformer in the rollout only."""
+
+    def rollout_velocity(self, step, rows, x, sigma, cond):
+        return super().rollout_velocity(step, rows, x.to(torch.bfloat16).to(x.dtype), sigma, cond)
+
+
+def _rounding_trainer():
+    backbone = backbones.tiny("sd3", seed=0)
+    prompts = PromptTable(backbone)
+    return RoundingRolloutTrainer(FlowGRPOConfig(num_steps=3, group_size=2), backbone, mean_reward, prompts)
+
+
+def test_cast_differences_are_a_numerics_finding_and_strict_refuses_them():
+    lenient = optimize(_rounding_trainer(), schedule="retain")
+    assert lenient.plan.schedule == "retain"
+    assert any(f.startswith("numerics:") and "cast" in f for f in lenient.plan.findings)
+    assert lenient.step([1, 2])["reused_micro_steps"] > 0
+    strict = optimize(_rounding_trainer(), schedule="retain", strict=True)
+    assert strict.plan.schedule == "native" and "cast" in strict.plan.steps[0].reason

@@ -44,6 +44,7 @@ class SharedBackbone:
     parameters: tuple[str, ...]  # the parameters the shared call reads
     nodes: int  # backbone nodes of the update that are reused
     unshared: tuple[tuple[int, str], ...]  # (update call index, reason)
+    cast_only: bool = False  # the pair matched only modulo dtype casts: the numerics differ
 
     @property
     def found(self) -> bool:
@@ -64,8 +65,9 @@ def _hash_constant(value) -> str:
     return repr(value)
 
 
-def structural_hashes(gm: fx.GraphModule) -> dict[fx.Node, str]:
-    """The Merkle hash of every node (see the module docstring)."""
+def structural_hashes(gm: fx.GraphModule, ignore_casts: bool = False) -> dict[fx.Node, str]:
+    """The Merkle hash of every node (see the module docstring). With ``ignore_casts`` a dtype cast hashes as its
+    input, so two programs that differ only in casts (e.g. an fp16 round trip before the backbone) match."""
     hashes: dict[fx.Node, str] = {}
 
     def arg_key(a):
@@ -80,6 +82,9 @@ def structural_hashes(gm: fx.GraphModule) -> dict[fx.Node, str]:
             key = node.meta.get(INPUT, node.name)
         elif node.op == "get_attr":
             key = "const:" + _hash_constant(getattr(gm, node.target))
+        elif ignore_casts and _target_name(node) == "_to_copy.default":
+            hashes[node] = hashes[node.args[0]]
+            continue
         else:
             key = _target_name(node) + arg_key(node.args) + arg_key(tuple(sorted(node.kwargs.items())))
         hashes[node] = hashlib.sha1(key.encode()).hexdigest()
@@ -139,28 +144,44 @@ def _latent_input(inputs: list[fx.Node]) -> fx.Node:
     return max(candidates, key=lambda n: n.meta["val"].numel()) if candidates else inputs[0]
 
 
-def detect_shared_backbone(rollout: fx.GraphModule, update: fx.GraphModule) -> SharedBackbone:
-    """Pair each update backbone call with the rollout call it recomputes, if any."""
-    r_hash, u_hash = structural_hashes(rollout), structural_hashes(update)
-    r_calls, u_calls = backbone_calls(rollout), backbone_calls(update)
+def _first_nodes_by_hash(calls: dict[int, list[fx.Node]], hashes: dict[fx.Node, str]):
     by_hash = {}
-    for index, nodes in r_calls.items():
+    for index, nodes in calls.items():
         for node in nodes:
-            by_hash.setdefault(r_hash[node], (index, node))
-    pairs, unshared, layout, params, reused = [], [], None, (), 0
+            by_hash.setdefault(hashes[node], (index, node))
+    return by_hash
+
+
+def _twin(outputs, hashes, by_hash) -> int | None:
+    matches = [by_hash.get(hashes[o]) for o in outputs]
+    if all(matches) and len({m[0] for m in matches}) == 1:
+        return matches[0][0]
+    return None
+
+
+def detect_shared_backbone(rollout: fx.GraphModule, update: fx.GraphModule) -> SharedBackbone:
+    """Pair each update backbone call with the rollout call it recomputes, if any: exactly, or else modulo dtype
+    casts (a numerics difference the validity pass reports)."""
+    r_calls, u_calls = backbone_calls(rollout), backbone_calls(update)
+    exact = (structural_hashes(rollout), structural_hashes(update))
+    loose = (structural_hashes(rollout, ignore_casts=True), structural_hashes(update, ignore_casts=True))
+    pairs, unshared, layout, params, reused, cast_only = [], [], None, (), 0, False
     for index, nodes in u_calls.items():
         call = nodes[0].meta[CALL]
         inputs, outputs = call_boundary(nodes)
-        matches = [by_hash.get(u_hash[o]) for o in outputs]
         if not call.grad_enabled:
             unshared.append((index, "runs without grad (e.g. the KL reference): nothing to reuse for a backward"))
             continue
-        if not all(matches) or len({m[0] for m in matches}) != 1:
-            reason = _why_unshared(update, nodes, u_hash, r_calls, r_hash)
-            unshared.append((index, reason))
+        for (r_hash, u_hash), is_loose in ((exact, False), (loose, True)):
+            by_hash = _first_nodes_by_hash(r_calls, r_hash)
+            twin = _twin(outputs, u_hash, by_hash)
+            if twin is not None:
+                break
+        if twin is None:
+            unshared.append((index, _why_unshared(update, nodes, exact[1], r_calls, exact[0])))
             continue
-        twin = matches[0][0]
         pairs.append((index, twin))
+        cast_only = cast_only or is_loose
         for node in nodes:
             if u_hash[node] in by_hash:
                 node.meta[SHARED] = by_hash[u_hash[node]][1].name
@@ -171,7 +192,7 @@ def detect_shared_backbone(rollout: fx.GraphModule, update: fx.GraphModule) -> S
         for node in call_boundary(r_calls[twin])[0]:
             node.meta[PROVENANCE] = layout
         params = tuple(sorted(n.meta[INPUT][6:] for n in inputs if n.meta.get(INPUT, "").startswith("param:")))
-    return SharedBackbone(tuple(pairs), layout, params, reused, tuple(unshared))
+    return SharedBackbone(tuple(pairs), layout, params, reused, tuple(unshared), cast_only)
 
 
 def _why_unshared(update, nodes, u_hash, r_calls, r_hash) -> str:

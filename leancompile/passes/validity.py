@@ -47,8 +47,8 @@ class Validity:
         return tuple(f.message for f in self.findings if f.refuses)
 
 
-def check_validity(rollout: fx.GraphModule, update: fx.GraphModule, pair: tuple[int, int], strict: bool = False
-                   ) -> Validity:
+def check_validity(rollout: fx.GraphModule, update: fx.GraphModule, pair: tuple[int, int], strict: bool = False,
+                   cast_only: bool = False) -> Validity:
     u_nodes, r_nodes = backbone_calls(update)[pair[0]], backbone_calls(rollout)[pair[1]]
     u_call, r_call = u_nodes[0].meta[CALL], r_nodes[0].meta[CALL]
     findings = []
@@ -61,6 +61,9 @@ def check_validity(rollout: fx.GraphModule, update: fx.GraphModule, pair: tuple[
                                 "the update's draws would differ from the rollout's", True))
     if u_call.autocast != r_call.autocast:
         findings.append(Finding("numerics", f"autocast differs: rollout {r_call.autocast}, update {u_call.autocast}; "
+                                "reuse keeps the rollout's numerics", strict))
+    if cast_only:
+        findings.append(Finding("numerics", "the rollout and the update cast the backbone's inputs differently; "
                                 "reuse keeps the rollout's numerics", strict))
     for f in findings:
         u_nodes[0].meta.setdefault(FINDING, []).append(f)
