@@ -1,0 +1,57 @@
+"""``python -m benchmarks [--full] [--out DIR]``: Retain against the native program on tiny Flux, SD3 and Wan."""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from .cases import FAMILIES, TRAINERS, cases
+from .measure import measure_case
+from .report import machine_line, markdown_table, write_results
+
+QUICK_REPETITIONS = 9
+FULL_REPETITIONS = 10
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__)
+    parser.add_argument("--full", action="store_true", help="larger latents and more repetitions")
+    parser.add_argument("--out", type=Path, default=Path("bench-out"), help="output folder (default: bench-out)")
+    parser.add_argument("--repetitions", type=int, default=None,
+                        help=f"timed steps per program (default {QUICK_REPETITIONS}, {FULL_REPETITIONS} with --full)")
+    parser.add_argument("--backbones", nargs="+", choices=FAMILIES, default=list(FAMILIES))
+    parser.add_argument("--trainers", nargs="+", choices=TRAINERS, default=list(TRAINERS))
+    args = parser.parse_args(argv)
+    if args.repetitions is not None and args.repetitions < 1:
+        parser.error(f"--repetitions must be >= 1; got {args.repetitions}")
+    return args
+
+
+def progress(row: dict, seconds: float) -> str:
+    return (f"{row['backbone']}/{row['trainer']}: speedup {row['speedup']:.2f}x, ideal {row['ideal_speedup']:.2f}x, "
+            f"ratio {row['ratio']:.2f} ({seconds:.0f} s)")
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    # The tiny backbones gain nothing from intra-op threads, and one thread keeps the timings comparable.
+    torch.set_num_threads(1)
+    repetitions = args.repetitions or (FULL_REPETITIONS if args.full else QUICK_REPETITIONS)
+    start, rows = time.perf_counter(), []
+    for case in cases(full=args.full, families=args.backbones, trainers=args.trainers):
+        case_start = time.perf_counter()
+        rows.append(measure_case(case, repetitions))
+        print(progress(rows[-1], time.perf_counter() - case_start), file=sys.stderr, flush=True)
+    machine = machine_line()
+    json_path, md_path = write_results(rows, args.out, machine)
+    print(markdown_table(rows))
+    print(machine)
+    print(f"wrote {json_path} and {md_path} in {time.perf_counter() - start:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,55 @@
+"""The benchmark's machinery on the smallest case: one row with the promised fields and matching weights."""
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+# benchmarks/ is a top-level folder, not part of the installed package; bare ``pytest`` does not put the
+# repository root on sys.path the way ``python -m pytest`` does.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks import cases, measure_case  # noqa: E402
+from benchmarks.measure import max_rel_weight_diff  # noqa: E402
+from benchmarks.report import machine_line, write_results  # noqa: E402
+
+FIELDS = {"backbone": str, "trainer": str, "schedule": str, "speedup": float, "ideal_speedup": float,
+          "ratio": float, "retained_bytes": int, "native_seconds": float, "optimized_seconds": float,
+          "repetitions": int, "max_rel_weight_diff": float}
+
+
+@pytest.fixture(scope="module")
+def row():
+    case = cases(families=["sd3"], trainers=["flowgrpo"], smallest=True)[0]
+    return measure_case(case, repetitions=1)
+
+
+def test_a_row_has_the_promised_fields(row):
+    for key, kind in FIELDS.items():
+        assert isinstance(row[key], kind), key
+    assert (row["backbone"], row["trainer"], row["schedule"], row["repetitions"]) == ("sd3", "flowgrpo", "retain", 1)
+    assert row["ratio"] == pytest.approx(row["speedup"] / row["ideal_speedup"])
+    assert row["ideal_speedup"] > 1 and row["retained_bytes"] > 0
+    assert row["reused_micro_steps"] > 0 and row["recomputed_micro_steps"] == 0
+
+
+def test_retain_trains_the_same_weights_as_native(row):
+    assert row["max_rel_weight_diff"] < 1e-4
+
+
+def test_results_are_written_as_json_and_markdown(row, tmp_path):
+    json_path, md_path = write_results([row], tmp_path / "out", machine_line())
+    assert json.loads(json_path.read_text())[0]["trainer"] == "flowgrpo"
+    text = md_path.read_text()
+    assert "| sd3 | flowgrpo |" in text and "torch " + torch.__version__ in text
+
+
+def test_a_diverged_run_never_counts_as_equal():
+    class Weights:
+        def __init__(self, value):
+            self.trainable = [torch.full((2,), value)]
+
+    assert max_rel_weight_diff(Weights(1.0), Weights(float("nan"))) == math.inf
+    assert max_rel_weight_diff(Weights(1.0), Weights(1.0)) == 0.0
