@@ -35,10 +35,6 @@ class SavedBytes:
             yield
 
 
-def _adapter_state(module) -> tuple:
-    return tuple(getattr(m, "disable_adapters", False) for m in module.modules() if hasattr(m, "lora_A"))
-
-
 @contextlib.contextmanager
 def _without_checkpointing(model):
     """Retention is the opposite of activation checkpointing: compile the plain blocks."""
@@ -57,6 +53,10 @@ class PartitionedBackbone:
         self.backbone = backbone
         self.memory_budget = memory_budget
         self._compiled = {}
+        # Looked up once: walking the modules on every call costs milliseconds per step.
+        self._params = dict(backbone.named_parameters())
+        self._buffers = dict(backbone.named_buffers())
+        self._lora_layers = [m for m in backbone.modules() if hasattr(m, "lora_A")]
         self.forward_graph: torch.fx.GraphModule | None = None
         self.backward_graph: torch.fx.GraphModule | None = None
 
@@ -64,7 +64,7 @@ class PartitionedBackbone:
         pooled = None if cond.pooled is None else (tuple(cond.pooled.shape), cond.pooled.dtype)
         autocast = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else None
         return (tuple(x.shape), x.dtype, tuple(sigma.shape), tuple(cond.text.shape), cond.text.dtype, pooled,
-                autocast, _adapter_state(self.backbone))
+                autocast, tuple(m.disable_adapters for m in self._lora_layers))
 
     def _compile(self):
         backbone = self.backbone
@@ -86,10 +86,11 @@ class PartitionedBackbone:
 
     def __call__(self, x, sigma, cond: Conditioning) -> torch.Tensor:
         key = self._signature(x, sigma, cond)
-        if key not in self._compiled:
+        compiling = key not in self._compiled
+        if compiling:
             self._compiled[key] = self._compile()
-        params = dict(self.backbone.named_parameters())
-        buffers = dict(self.backbone.named_buffers())
-        with _without_checkpointing(self.backbone.model), \
-                functorch_config.patch(activation_memory_budget=self.memory_budget):
-            return self._compiled[key](params, buffers, x, sigma, cond.text, cond.pooled)
+        # aot_function traces and partitions on its first call: the budget only matters then.
+        budget = (functorch_config.patch(activation_memory_budget=self.memory_budget) if compiling
+                  else contextlib.nullcontext())
+        with _without_checkpointing(self.backbone.model), budget:
+            return self._compiled[key](self._params, self._buffers, x, sigma, cond.text, cond.pooled)
