@@ -11,10 +11,11 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import leancompile
 from leancompile import backbones
+from leancompile.tasks.synthetic import RandomPrompts
 from leancompile.trainers import DanceGRPOTrainer, FlowGRPOTrainer
 
 from .cases import Case
-from .task import ProjectionReward, PromptEncoder
+from .task import NUM_PROMPTS, ProjectionReward
 
 _TRAINERS = {"flowgrpo": FlowGRPOTrainer, "dancegrpo": DanceGRPOTrainer}
 
@@ -23,7 +24,7 @@ def build_trainer(case: Case):
     """A native trainer for ``case``; two calls give trainers with equal weights and generators."""
     backbone = backbones.tiny(case.backbone, seed=case.seed, **case.sizes)
     reward = ProjectionReward(backbone.latent_shape, seed=case.seed)
-    return _TRAINERS[case.trainer](case.config, backbone, reward, PromptEncoder(backbone, seed=case.seed))
+    return _TRAINERS[case.trainer](case.config, backbone, reward, RandomPrompts(backbone, NUM_PROMPTS, seed=case.seed))
 
 
 def build_pair(case: Case):

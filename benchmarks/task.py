@@ -1,4 +1,4 @@
-"""A synthetic task for the benchmark: integer prompts with fixed random conditioning and a linear reward.
+"""The benchmark's reward: a linear reward over the synthetic prompts of ``leancompile.tasks.synthetic``.
 
 The reward only has to be cheap, deterministic and spread within a group; the benchmark times the backbone.
 """
@@ -6,19 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from leancompile.backbones import Backbone, Conditioning
-
 NUM_PROMPTS = 8
-
-
-class PromptEncoder:
-    """Maps prompt ``i`` to row ``i`` of a conditioning table drawn once from ``seed``."""
-
-    def __init__(self, backbone: Backbone, seed: int = 0):
-        self.table = backbone.dummy_conditioning(NUM_PROMPTS, generator=torch.Generator().manual_seed(seed))
-
-    def __call__(self, prompts) -> Conditioning:
-        return self.table.index(torch.as_tensor(list(prompts)))
 
 
 class ProjectionReward:

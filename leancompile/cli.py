@@ -36,10 +36,11 @@ def _explain(args) -> int:
     import torch
 
     from . import report
+    from .tasks import synthetic
 
     torch.set_num_threads(1)  # the backbone is tiny: intra-op threads cost more than they give
-    trainer = report.optimized_tiny_trainer(args.backbone, args.trainer, args.schedule, args.cfg)
-    trainer.step(list(report.TINY_PROMPTS))  # builds the backbone's partition graphs
+    trainer = synthetic.optimized_tiny_trainer(args.backbone, args.trainer, args.schedule, args.cfg)
+    trainer.step(list(synthetic.TINY_PROMPTS))  # builds the backbone's partition graphs
     print(trainer.explain())
     path = report.write_html_report(trainer, Path(args.out) / "report.html")
     print(f"report: {path}")

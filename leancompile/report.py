@@ -39,54 +39,6 @@ SPAN = 60  # nodes per span
 TOP_OPS = 4
 
 
-# --- A small trainer to inspect -----------------------------------------------------------------------------
-
-
-class _TinyPrompts:
-    """Integer prompts, each mapped to a fixed random conditioning row of the backbone."""
-
-    def __init__(self, backbone, num: int = 8, seed: int = 0):
-        self.table = backbone.dummy_conditioning(num, generator=torch.Generator().manual_seed(seed))
-
-    def __call__(self, prompts):
-        return self.table.index(torch.as_tensor(list(prompts)))
-
-
-def _tiny_reward(samples, prompts):
-    # Prompt-dependent and spread within every group, so that advantages (and gradients) are non-zero.
-    scale = torch.tensor([1.0 + float(p) for p in prompts])
-    flat = samples.flatten(1)
-    return flat.mean(1) * scale + flat.std(1)
-
-
-def build_tiny_trainer(backbone: str = "sd3", algorithm: str = "flowgrpo", cfg: bool = False, seed: int = 0):
-    """A native trainer on a tiny random ``backbone`` (flux, sd3 or wan): a few seconds per step on a CPU."""
-    from . import backbones
-    from .trainers import DanceGRPOConfig, DanceGRPOTrainer, FlowGRPOConfig, FlowGRPOTrainer
-
-    classes = {"flowgrpo": (FlowGRPOConfig, FlowGRPOTrainer), "dancegrpo": (DanceGRPOConfig, DanceGRPOTrainer)}
-    if algorithm not in classes:
-        raise ValueError(f"algorithm must be one of {sorted(classes)}; got {algorithm!r}")
-    config_class, trainer_class = classes[algorithm]
-    config = config_class(num_steps=3, group_size=2, guidance_scale=2.0 if cfg else 1.0, seed=seed)
-    model = backbones.tiny(backbone, seed=seed)
-    prompts = _TinyPrompts(model, seed=seed)
-    uncond = prompts.table.index(torch.tensor([0])) if cfg else None
-    return trainer_class(config, model, _tiny_reward, prompts, uncond=uncond)
-
-
-def optimized_tiny_trainer(backbone: str = "sd3", algorithm: str = "flowgrpo", schedule: str = "auto",
-                           cfg: bool = False, seed: int = 0):
-    """``optimize()`` applied to :func:`build_tiny_trainer`; its first ``step(TINY_PROMPTS)`` adds the partition
-    graphs of the backbone to ``.graphs``."""
-    from .api import optimize
-
-    return optimize(build_tiny_trainer(backbone, algorithm, cfg, seed), schedule=schedule)
-
-
-TINY_PROMPTS = (1, 2)
-
-
 # --- What each node is -----------------------------------------------------------------------------------
 
 

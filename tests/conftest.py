@@ -2,29 +2,15 @@ import pytest
 import torch
 
 from leancompile import backbones
+from leancompile.tasks.synthetic import RandomPrompts, latent_reward
 
 # Tiny models gain nothing from intra-op threads, and lose much when the cores are shared.
 torch.set_num_threads(1)
 
 
-class PromptTable:
-    """Prompts are integers; each maps to a fixed random conditioning row of the backbone."""
-
-    def __init__(self, backbone, num=8, seed=0):
-        self.table = backbone.dummy_conditioning(num, generator=torch.Generator().manual_seed(seed))
-
-    def __call__(self, prompts):
-        return self.table.index(torch.as_tensor(list(prompts)))
-
-    @property
-    def uncond(self):
-        return self.table.index(torch.tensor([0]))
-
-
-def mean_reward(samples, prompts):
-    """A smooth, prompt-dependent reward with spread inside every group."""
-    weights = torch.tensor([float(p) + 1 for p in prompts])
-    return samples.flatten(1).mean(1) * weights + samples.flatten(1).std(1)
+# The library's synthetic task, under the names the tests use.
+PromptTable = RandomPrompts
+mean_reward = latent_reward
 
 
 @pytest.fixture

@@ -7,14 +7,15 @@ import xml.etree.ElementTree as ET
 import pytest
 
 from leancompile import cli, report
+from leancompile.tasks import synthetic
 from leancompile.passes.meta import CALL, SHARED
 from leancompile.passes.rewrite import REUSED, RETAINED
 
 
 @pytest.fixture(scope="module")
 def retain():
-    trainer = report.optimized_tiny_trainer("sd3", schedule="retain")
-    trainer.step(list(report.TINY_PROMPTS))  # adds the partition graphs
+    trainer = synthetic.optimized_tiny_trainer("sd3", schedule="retain")
+    trainer.step(list(synthetic.TINY_PROMPTS))  # adds the partition graphs
     return trainer
 
 
@@ -73,7 +74,7 @@ def test_html_report_with_graphviz(retain, tmp_path):
 
 
 def test_the_native_schedule_inserts_and_removes_nothing(tmp_path):
-    trainer = report.optimized_tiny_trainer("sd3", schedule="native")
+    trainer = synthetic.optimized_tiny_trainer("sd3", schedule="native")
     counts = report.summary(trainer)
     assert set(counts) == {"rollout", "update"}
     assert all(c[role] == 0 for c in counts.values() for role in report.HIGHLIGHTED)
