@@ -21,14 +21,17 @@ from ..backbones import Conditioning
 
 @dataclass
 class SavedBytes:
-    """Bytes of the tensors autograd saved for backward while the counter was active."""
+    """Bytes of the tensors autograd saved for backward while the counter was active, not counting tensors that
+    share storage with ``resident`` ones (the weights, which stay in memory anyway)."""
 
+    resident: frozenset = frozenset()  # storage pointers of the weights and buffers
     total: int = 0
 
     @contextlib.contextmanager
     def counting(self):
         def pack(t):
-            self.total += t.numel() * t.element_size()
+            if t.untyped_storage().data_ptr() not in self.resident:
+                self.total += t.numel() * t.element_size()
             return t
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
@@ -57,6 +60,8 @@ class PartitionedBackbone:
         self._params = dict(backbone.named_parameters())
         self._buffers = dict(backbone.named_buffers())
         self._lora_layers = [m for m in backbone.modules() if hasattr(m, "lora_A")]
+        self.resident = frozenset(t.untyped_storage().data_ptr()
+                                  for t in (*self._params.values(), *self._buffers.values()))
         self.forward_graph: torch.fx.GraphModule | None = None
         self.backward_graph: torch.fx.GraphModule | None = None
 

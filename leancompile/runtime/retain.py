@@ -81,7 +81,7 @@ class RetainRuntime:
         """A callable with the backbone's signature that runs and keeps the rollout's call for ``(step, rows)``."""
 
         def call(x, sigma, cond: Conditioning):
-            counter = SavedBytes()
+            counter = SavedBytes(self.partitioned.resident)
             if len(self.grad_segments) == self.segments:
                 with torch.enable_grad(), counter.counting():
                     with_grad = self.partitioned(x, sigma, cond)
