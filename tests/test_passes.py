@@ -157,3 +157,15 @@ def test_cast_differences_are_a_numerics_finding_and_strict_refuses_them():
     assert lenient.step([1, 2])["reused_micro_steps"] > 0
     strict = optimize(_rounding_trainer(), schedule="retain", strict=True)
     assert strict.plan.schedule == "native" and "cast" in strict.plan.steps[0].reason
+
+
+def test_a_lower_memory_budget_keeps_fewer_activations_and_the_same_gradient():
+    def run(budget):
+        trainer = optimize(_trainer(dtype="float64", train_batch_size=4), "retain", memory_budget=budget)
+        stats = trainer.step([1, 2])
+        return stats["retained_bytes"], torch.cat([p.detach().flatten() for p in trainer.trainable])
+
+    full_bytes, full_weights = run(None)
+    low_bytes, low_weights = run(0.1)
+    assert low_bytes < full_bytes
+    torch.testing.assert_close(low_weights, full_weights, rtol=1e-10, atol=1e-12)
