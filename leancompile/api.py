@@ -53,7 +53,8 @@ class _Optimized:
         return mask
 
     def rollout(self, prompts):
-        self._num_samples = len(list(prompts)) * self.config.group_size
+        prompts = list(prompts)
+        self._num_samples = len(prompts) * self.config.group_size
         return super().rollout(prompts)
 
     def trained_step_schedule(self, num_samples, sde_steps):
@@ -153,49 +154,49 @@ def optimize(trainer, schedule: str = "auto", memory_budget: float | None = None
     if not isinstance(strict, bool):
         raise ValueError(f"strict must be True or False; got {strict!r}")
     check_protocol(trainer)
-    config = trainer.config
-
     programs = passes.capture(trainer)
-    graphs = {"rollout": programs.rollout, "update": programs.update}
-    runtime = None
     if schedule == "native":
-        plan = _native_plan(config, schedule, "not analysed", "schedule='native': the untransformed program")
+        plan = _native_plan(trainer.config, schedule, "not analysed", "schedule='native': the untransformed program")
+        graphs, runtime = {"rollout": programs.rollout, "update": programs.update}, None
     else:
-        shared = passes.detect_shared_backbone(programs.rollout, programs.update)
-        unshared = "; ".join(f"update call {i} not shared: {why}" for i, why in shared.unshared)
-        if not shared.found:
-            plan = _native_plan(config, schedule, unshared or "no backbone call", "no reusable backbone call: "
-                                + (unshared or "nothing found"))
-        else:
-            pair = shared.pairs[0]
-            validity = passes.check_validity(programs.rollout, programs.update, pair, strict=strict,
-                                             cast_only=shared.cast_only)
-            findings = tuple(f"{f.kind}: {f.message}" for f in validity.findings)
-            description = (f"update call {pair[0]} recomputes rollout call {pair[1]} ({shared.nodes} aten nodes, "
-                           f"{len(shared.parameters)} parameters, batch of {shared.layout.segments} segment(s))"
-                           + (f"; {unshared}" if unshared else ""))
-            if not validity.reusable:
-                plan = _native_plan(config, schedule, description, "reuse refused: " + "; ".join(validity.reasons),
-                                    findings)
-            else:
-                need = passes.prune_gradient_need(programs.update, pair[0], shared.layout.segments)
-                rewritten = passes.rewrite_for_retain(programs.rollout, programs.update, pair)
-                graphs = {"rollout": rewritten.rollout, "update": rewritten.update,
-                          "rollout_traced": programs.rollout, "update_traced": programs.update}
-                runtime = RetainRuntime(trainer, shared.layout.segments, need.needed, memory_budget or 1.0,
-                                        verify_inputs=not shared.cast_only)
-                pruned = (f"segment(s) {list(need.pruned)} of the batch carry no gradient (e.g. a detached CFG "
-                          "branch): run without grad, not retained") if need.pruned else "nothing"
-                plan = Plan("retain", schedule, _retain_steps(config), _reuse_window(config), description, pruned,
-                            findings)
+        plan, graphs, runtime = _compile_retain(trainer, programs, schedule, memory_budget, strict)
     optimized = copy.copy(trainer)
     optimized.__class__ = _optimized_class(type(trainer))
     optimized.plan = plan
     optimized.graphs = graphs
     optimized._runtime = runtime
-    if runtime is not None:
-        runtime.trainer = optimized
     return optimized
+
+
+def _compile_retain(trainer, programs, requested: str, memory_budget, strict: bool):
+    """Run the passes in order; where one finds no valid reuse, the plan is native and says why."""
+    config = trainer.config
+    graphs = {"rollout": programs.rollout, "update": programs.update}
+    shared = passes.detect_shared_backbone(programs.rollout, programs.update)
+    unshared = "; ".join(f"update call {i} not shared: {why}" for i, why in shared.unshared)
+    if not shared.found:
+        reason = "no reusable backbone call: " + (unshared or "nothing found")
+        return _native_plan(config, requested, unshared or "no backbone call", reason), graphs, None
+    pair = shared.pairs[0]
+    validity = passes.check_validity(programs.rollout, programs.update, pair, strict=strict,
+                                     cast_only=shared.cast_only)
+    findings = tuple(f"{f.kind}: {f.message}" for f in validity.findings)
+    description = (f"update call {pair[0]} recomputes rollout call {pair[1]} ({shared.nodes} aten nodes, "
+                   f"{len(shared.parameters)} parameters, batch of {shared.layout.segments} segment(s))"
+                   + (f"; {unshared}" if unshared else ""))
+    if not validity.reusable:
+        reason = "reuse refused: " + "; ".join(validity.reasons)
+        return _native_plan(config, requested, description, reason, findings), graphs, None
+    need = passes.prune_gradient_need(programs.update, pair[0], shared.layout.segments)
+    rewritten = passes.rewrite_for_retain(programs.rollout, programs.update, pair)
+    graphs = {"rollout": rewritten.rollout, "update": rewritten.update,
+              "rollout_traced": programs.rollout, "update_traced": programs.update}
+    runtime = RetainRuntime(trainer.backbone, trainer.trainable, shared.layout.segments, need.needed,
+                            memory_budget or 1.0, verify_inputs=not shared.cast_only)
+    pruned = (f"segment(s) {list(need.pruned)} of the batch carry no gradient (e.g. a detached CFG branch): "
+              "run without grad, not retained") if need.pruned else "nothing"
+    plan = Plan("retain", requested, _retain_steps(config), _reuse_window(config), description, pruned, findings)
+    return plan, graphs, runtime
 
 
 def _retain_steps(config) -> tuple[StepAction, ...]:

@@ -58,17 +58,17 @@ class RetainState:
 
 
 class RetainRuntime:
-    """Executes a Retain plan for one trainer. ``segments`` is the row layout of the shared call's batch and
-    ``grad_segments`` those the loss differentiates (from the passes)."""
+    """Executes a Retain plan for one trainer's ``backbone`` and ``trainable`` weights. ``segments`` is the row
+    layout of the shared call's batch and ``grad_segments`` those the loss differentiates (from the passes)."""
 
-    def __init__(self, trainer, segments: int, grad_segments: tuple[int, ...], memory_budget: float = 1.0,
-                 verify_inputs: bool = True):
-        self.trainer = trainer
+    def __init__(self, backbone, trainable, segments: int, grad_segments: tuple[int, ...],
+                 memory_budget: float = 1.0, verify_inputs: bool = True):
+        self.trainable = trainable
         # Off only when the passes matched the calls modulo casts: then the inputs differ by design.
         self.verify_inputs = verify_inputs
         self.segments = segments
         self.grad_segments = grad_segments
-        self.partitioned = PartitionedBackbone(trainer.backbone, memory_budget)
+        self.partitioned = PartitionedBackbone(backbone, memory_budget)
         self.state = RetainState()
 
     # ------------------------------------------------------------------------------------------ rollout
@@ -123,7 +123,7 @@ class RetainRuntime:
         missing = [(r, s) for r, s in zip(micro.rows.tolist(), micro.steps.tolist()) if (r, s) not in state.where]
         if missing:
             return f"rows/steps {missing[:3]} were not kept by the rollout"
-        versions = [p._version for p in self.trainer.trainable]
+        versions = [p._version for p in self.trainable]
         if state.versions is None:
             state.versions = versions
         elif versions != state.versions:
