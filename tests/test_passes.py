@@ -169,3 +169,19 @@ def test_a_lower_memory_budget_keeps_fewer_activations_and_the_same_gradient():
     low_bytes, low_weights = run(0.1)
     assert low_bytes < full_bytes
     torch.testing.assert_close(low_weights, full_weights, rtol=1e-10, atol=1e-12)
+
+
+def test_weights_modified_after_the_rollout_are_caught_and_recomputed():
+    trainer = optimize(_trainer(dtype="float64", train_batch_size=4), "retain")
+    rollout = trainer.rollout
+
+    def rollout_then_touch(prompts):
+        result = rollout(prompts)
+        with torch.no_grad():
+            trainer.trainable[0].mul_(1.0)  # same values, new version: reuse can no longer be proven
+        return result
+
+    trainer.rollout = rollout_then_touch
+    stats = trainer.step([1, 2])
+    assert stats["reused_micro_steps"] == 0 and stats["recomputed_micro_steps"] > 0
+    assert all("modified since the rollout" in r.reason for r in trainer.last_micro_steps)

@@ -104,6 +104,8 @@ class RetainRuntime:
                 with torch.enable_grad():
                     with_grad = torch.cat(grad_parts) if len(grad_parts) > 1 else grad_parts[0]
             state = self.state
+            if state.versions is None:  # the weights the kept graphs were computed with
+                state.versions = [p._version for p in self.trainable]
             index = len(state.kept)
             state.kept.append(KeptCall(step, rows.cpu(), x.detach(), values, with_grad))
             state.retained_bytes += counter.total
@@ -123,10 +125,7 @@ class RetainRuntime:
         missing = [(r, s) for r, s in zip(micro.rows.tolist(), micro.steps.tolist()) if (r, s) not in state.where]
         if missing:
             return f"rows/steps {missing[:3]} were not kept by the rollout"
-        versions = [p._version for p in self.trainable]
-        if state.versions is None:
-            state.versions = versions
-        elif versions != state.versions:
+        if [p._version for p in self.trainable] != state.versions:
             return "the trainable weights were modified since the rollout"
         return None
 
