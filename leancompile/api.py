@@ -195,8 +195,17 @@ def _compile_retain(trainer, programs, requested: str, memory_budget, strict: bo
                             memory_budget or 1.0, verify_inputs=not shared.cast_only)
     pruned = (f"segment(s) {list(need.pruned)} of the batch carry no gradient (e.g. a detached CFG branch): "
               "run without grad, not retained") if need.pruned else "nothing"
-    plan = Plan("retain", requested, _retain_steps(config), _reuse_window(config), description, pruned, findings)
+    plan = Plan("retain", requested, _retain_steps(config), _reuse_window(config), description, pruned, findings,
+                _describe_linearity(passes.check_linearity(programs.update)))
     return plan, graphs, runtime
+
+
+def _describe_linearity(linearity) -> str:
+    if not linearity.affine:
+        return f"not affine in the advantages: {linearity.reason} (Reweight would be refused)"
+    free = ", ".join(linearity.advantage_free) or "none"
+    ties = ", ".join(linearity.ties) or "none"
+    return f"affine in the advantages at ratio 1 (ties proven: {ties}; advantage-free terms: {free})"
 
 
 def _retain_steps(config) -> tuple[StepAction, ...]:

@@ -22,6 +22,7 @@ class Plan:
     shared: str  # what the shared-backbone detection found
     pruned: str  # what gradient-need pruning removed from retention
     findings: tuple[str, ...] = ()  # validity findings (numerics, refusals)
+    linearity: str = "not analysed"  # whether the loss is affine in the advantages (what Reweight needs)
 
     def action(self, step: int) -> StepAction:
         return self.steps[step]
@@ -30,7 +31,8 @@ class Plan:
         lines = [f"leancompile plan: schedule={self.schedule} (requested {self.requested})",
                  f"  shared backbone: {self.shared}",
                  f"  reuse window:    {self.reuse_window}",
-                 f"  pruned:          {self.pruned}"]
+                 f"  pruned:          {self.pruned}",
+                 f"  linearity:       {self.linearity}"]
         lines += [f"  finding:         {f}" for f in self.findings]
         lines.append(f"  {'step':>4}  {'action':<10} reason")
         lines += [f"  {a.step:>4}  {a.action:<10} {a.reason}" for a in self.steps]

@@ -4,7 +4,7 @@ import torch
 
 from leancompile import backbones, optimize, passes
 from leancompile.passes.backbone import backbone_calls, call_boundary
-from leancompile.passes.meta import CALL, INPUT, NEEDS_GRAD, PROVENANCE, REWRITE, SHARED
+from leancompile.passes.meta import CALL, INPUT, LINEARITY, NEEDS_GRAD, PROVENANCE, REWRITE, SHARED
 from leancompile.passes.rewrite import RETAINED, REUSED
 from leancompile.trainers import DanceGRPOConfig, FlowGRPOConfig, FlowGRPOTrainer
 
@@ -185,3 +185,31 @@ def test_weights_modified_after_the_rollout_are_caught_and_recomputed():
     stats = trainer.step([1, 2])
     assert stats["reused_micro_steps"] == 0 and stats["recomputed_micro_steps"] > 0
     assert all("modified since the rollout" in r.reason for r in trainer.last_micro_steps)
+
+
+def test_linearity_proves_the_ppo_loss_affine_and_separates_the_kl_term(cfg_kl_programs):
+    _, programs = cfg_kl_programs
+    linearity = passes.check_linearity(programs.update)
+    assert linearity.affine and linearity.reason is None
+    assert len(linearity.ties) == 1 and linearity.ties[0].startswith("maximum")
+    assert len(linearity.advantage_free) == 1  # beta * KL
+    free = next(n for n in programs.update.graph.nodes if n.name == linearity.advantage_free[0])
+    assert free.meta.get(LINEARITY) is None
+    assert {n.meta[LINEARITY] for n in programs.update.graph.nodes if LINEARITY in n.meta} == {"affine", "tie"}
+    assert passes.check_linearity(passes.capture(_trainer()).update).advantage_free == ()
+
+
+class SquaredAdvantageTrainer(FlowGRPOTrainer):
+    def micro_step_loss(self, micro):
+        loss, info = super().micro_step_loss(micro)
+        return loss + (micro.advantages ** 2).mean(), info
+
+
+def test_linearity_refuses_a_loss_non_linear_in_the_advantages():
+    backbone = backbones.tiny("sd3", seed=0)
+    trainer = SquaredAdvantageTrainer(FlowGRPOConfig(num_steps=3, group_size=2), backbone, mean_reward,
+                                      PromptTable(backbone))
+    linearity = passes.check_linearity(passes.capture(trainer).update)
+    assert not linearity.affine and "pow" in linearity.reason
+    plan = optimize(trainer, "retain").plan
+    assert plan.schedule == "retain" and "Reweight would be refused" in plan.linearity and "pow" in plan.linearity

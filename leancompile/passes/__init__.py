@@ -7,17 +7,20 @@ every graph after each.
 from .backbone import SharedBackbone, detect_shared_backbone
 from .capture import BackboneCall, Programs, capture
 from .gradients import GradientNeed, prune_gradient_need
+from .linearity import Linearity, check_linearity
 from .rewrite import RewrittenPrograms, rewrite_for_retain
 from .validity import Validity, check_validity
 
 __all__ = [
     "BackboneCall",
     "GradientNeed",
+    "Linearity",
     "Programs",
     "RewrittenPrograms",
     "SharedBackbone",
     "Validity",
     "capture",
+    "check_linearity",
     "check_validity",
     "detect_shared_backbone",
     "prune_gradient_need",

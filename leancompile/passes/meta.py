@@ -7,3 +7,4 @@ PROVENANCE = "leancompile.provenance"  # backbone-call input -> RowSource segmen
 NEEDS_GRAD = "leancompile.needs_grad"  # backbone output -> tuple of the row segments the loss differentiates
 FINDING = "leancompile.finding"  # validity findings attached to the node they concern
 REWRITE = "leancompile.rewrite"  # "inserted" | "reused" on nodes the rewrite made
+LINEARITY = "leancompile.linearity"  # "affine" | "tie" on update nodes that depend on the advantages
