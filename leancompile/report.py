@@ -374,7 +374,7 @@ def _rows(cells_per_row, header=None) -> str:
 
 def _plan_html(plan) -> str:
     facts = [("schedule", f"{plan.schedule} (requested {plan.requested})"), ("shared backbone", plan.shared),
-             ("reuse window", plan.reuse_window), ("pruned", plan.pruned)]
+             ("reuse window", plan.reuse_window), ("pruned", plan.pruned), ("linearity", plan.linearity)]
     facts += [("finding", f) for f in plan.findings]
     steps = [(a.step, a.action, a.reason) for a in plan.steps]
     return _rows(facts) + _rows(steps, header=("step", "action", "reason"))
