@@ -19,6 +19,7 @@ import networkx as nx
 import torch
 import torch.fx as fx
 
+from .passes.graph import op_packet
 from .passes.meta import CALL, INPUT, REWRITE, SHARED
 
 # role -> (fill, outline, legend text). Highlighted roles come first: they are what the report is about.
@@ -91,15 +92,8 @@ class _Box:
     tooltip: str = ""
 
 
-def _op(node: fx.Node) -> str:
-    target = node.target
-    if isinstance(target, torch._ops.OpOverload):
-        return target.overloadpacket.__name__
-    return getattr(target, "__name__", str(target))
-
-
 def _histogram(nodes) -> str:
-    ops = Counter(_op(n) for n in nodes if n.op == "call_function")
+    ops = Counter(op_packet(n) for n in nodes if n.op == "call_function")
     return "  ".join(f"{op}×{count}" for op, count in ops.most_common(TOP_OPS))
 
 
@@ -169,7 +163,7 @@ def _single(node: fx.Node, roles) -> _Box:
     elif node.op == "output":
         role, detail = "output", "output"
     else:
-        role, detail = roles.get(node.name, "plain"), _op(node)
+        role, detail = roles.get(node.name, "plain"), op_packet(node)
     val = node.meta.get("val")
     shape = f" {tuple(val.shape)}" if isinstance(val, torch.Tensor) else ""
     # fx names a node after its op ("mul_66" for a mul): the op is worth a line only when the name hides it.

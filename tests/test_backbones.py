@@ -5,7 +5,7 @@ import torch
 from peft import LoraConfig
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from leancompile.backbones import REAL_MODELS, Backbone, Conditioning, build, load_config, real, tiny
+from leancompile.backbones import Backbone, Conditioning, build, load_config, real, tiny
 
 FAMILIES = ["flux", "sd3", "wan"]
 

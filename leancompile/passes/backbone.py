@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
+from .graph import ancestors, op_name
 from .meta import CALL, INPUT, PROVENANCE, SHARED
 
 # Ops that only move or cast rows; the provenance walk looks through them.
@@ -51,13 +52,6 @@ class SharedBackbone:
         return bool(self.pairs)
 
 
-def _target_name(node: fx.Node) -> str:
-    target = node.target
-    if isinstance(target, torch._ops.OpOverload):
-        return f"{target.overloadpacket.__name__}.{target._overloadname}"
-    return getattr(target, "__name__", str(target))
-
-
 def _hash_constant(value) -> str:
     if isinstance(value, torch.Tensor):
         data = value.detach().cpu().contiguous()
@@ -82,11 +76,11 @@ def structural_hashes(gm: fx.GraphModule, ignore_casts: bool = False) -> dict[fx
             key = node.meta.get(INPUT, node.name)
         elif node.op == "get_attr":
             key = "const:" + _hash_constant(getattr(gm, node.target))
-        elif ignore_casts and _target_name(node) == "_to_copy.default":
+        elif ignore_casts and op_name(node) == "_to_copy.default":
             hashes[node] = hashes[node.args[0]]
             continue
         else:
-            key = _target_name(node) + arg_key(node.args) + arg_key(tuple(sorted(node.kwargs.items())))
+            key = op_name(node) + arg_key(node.args) + arg_key(tuple(sorted(node.kwargs.items())))
         hashes[node] = hashlib.sha1(key.encode()).hexdigest()
     return hashes
 
@@ -114,25 +108,16 @@ def call_boundary(nodes: list[fx.Node]) -> tuple[list[fx.Node], list[fx.Node]]:
 
 def _sources(node: fx.Node) -> tuple[str, ...]:
     """The data placeholders a value is gathered from."""
-    seen, stack, found = set(), [node], set()
-    while stack:
-        n = stack.pop()
-        if n in seen:
-            continue
-        seen.add(n)
-        role = n.meta.get(INPUT, "")
-        if role.startswith("data:"):
-            found.add(role[5:])
-        stack.extend(n.all_input_nodes)
-    return tuple(sorted(found))
+    roles = (n.meta.get(INPUT, "") for n in ancestors(node))
+    return tuple(sorted(role[5:] for role in roles if role.startswith("data:")))
 
 
 def row_layout(latent_input: fx.Node) -> RowLayout:
     """The segments of the batch fed to a call: a ``cat`` along dim 0 of row-gathered parts is one segment each."""
     node = latent_input
-    while node.op == "call_function" and _target_name(node) in _ROW_OPS - {"index.Tensor"}:
+    while node.op == "call_function" and op_name(node) in _ROW_OPS - {"index.Tensor"}:
         node = node.args[0]
-    if node.op == "call_function" and _target_name(node) == "cat.default" and (len(node.args) < 2 or node.args[1] == 0):
+    if node.op == "call_function" and op_name(node) == "cat.default" and (len(node.args) < 2 or node.args[1] == 0):
         parts = node.args[0]
         return RowLayout(len(parts), tuple(_sources(p) for p in parts))
     return RowLayout(1, (_sources(node),))

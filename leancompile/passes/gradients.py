@@ -13,7 +13,8 @@ from dataclasses import dataclass
 
 import torch.fx as fx
 
-from .backbone import _target_name, backbone_calls, call_boundary
+from .backbone import backbone_calls, call_boundary
+from .graph import op_name
 from .meta import NEEDS_GRAD
 
 # Ops through which no gradient flows.
@@ -41,7 +42,7 @@ def _reaches_loss(node: fx.Node) -> bool:
         for user in n.users:
             if user.op == "output":
                 return True
-            if user.op == "call_function" and _target_name(user) in _NON_DIFFERENTIABLE:
+            if user.op == "call_function" and op_name(user) in _NON_DIFFERENTIABLE:
                 continue
             stack.append(user)
     return False
@@ -52,7 +53,7 @@ def prune_gradient_need(update: fx.GraphModule, call_index: int, segments: int) 
     _, outputs = call_boundary(backbone_calls(update)[call_index])
     needed = set()
     for out in outputs:
-        splits = [u for u in out.users if u.op == "call_function" and _target_name(u) in _SPLITS
+        splits = [u for u in out.users if u.op == "call_function" and op_name(u) in _SPLITS
                   and (len(u.args) < 3 or u.args[2] == 0)]
         if segments > 1 and splits and len(out.users) == len(splits):
             for split in splits:

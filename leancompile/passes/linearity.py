@@ -19,7 +19,8 @@ from dataclasses import dataclass
 
 import torch.fx as fx
 
-from .backbone import _ROW_OPS, _target_name
+from .backbone import _ROW_OPS
+from .graph import ancestors, op_name
 from .meta import INPUT, LINEARITY
 
 _LINEAR_UNARY = _ROW_OPS | {"neg.default", "mean.default", "mean.dim", "sum.default", "sum.dim_IntList"}
@@ -37,7 +38,7 @@ class Linearity:
 
 
 def _clamp_ratio(node) -> tuple[fx.Node, float, float] | None:
-    if isinstance(node, fx.Node) and _target_name(node) == "clamp.default":
+    if isinstance(node, fx.Node) and op_name(node) == "clamp.default":
         lo, hi = (list(node.args[1:]) + [None, None])[:2]
         if lo is not None and hi is not None:
             return node.args[0], float(lo), float(hi)
@@ -47,7 +48,7 @@ def _clamp_ratio(node) -> tuple[fx.Node, float, float] | None:
 def _ties_at_ratio_one(node: fx.Node, depends) -> bool:
     """``max(c * r, c * clamp(r, lo, hi))`` with the same A-dependent ``c`` and ``lo <= 1 <= hi``."""
     a, b = node.args[:2]
-    if not all(isinstance(x, fx.Node) and _target_name(x) == "mul.Tensor" for x in (a, b)):
+    if not all(isinstance(x, fx.Node) and op_name(x) == "mul.Tensor" for x in (a, b)):
         return False
 
     def split(m):
@@ -55,7 +56,7 @@ def _ties_at_ratio_one(node: fx.Node, depends) -> bool:
         return (x, y) if depends(x) else (y, x)
 
     (ca, ra), (cb, rb) = split(a), split(b)
-    if ca is not cb and not (_target_name(ca) == _target_name(cb) == "neg.default" and ca.args[0] is cb.args[0]):
+    if ca is not cb and not (op_name(ca) == op_name(cb) == "neg.default" and ca.args[0] is cb.args[0]):
         return False
     for plain, clamped in ((ra, rb), (rb, ra)):
         c = _clamp_ratio(clamped)
@@ -65,19 +66,9 @@ def _ties_at_ratio_one(node: fx.Node, depends) -> bool:
 
 
 def _summands(node: fx.Node) -> list[fx.Node]:
-    if node.op == "call_function" and _target_name(node) in _ADDITIVE and all(isinstance(a, fx.Node) for a in node.args[:2]):
+    if node.op == "call_function" and op_name(node) in _ADDITIVE and all(isinstance(a, fx.Node) for a in node.args[:2]):
         return _summands(node.args[0]) + _summands(node.args[1])
     return [node]
-
-
-def _ancestors(node: fx.Node) -> set[fx.Node]:
-    seen, stack = set(), [node]
-    while stack:
-        n = stack.pop()
-        if n not in seen:
-            seen.add(n)
-            stack.extend(n.all_input_nodes)
-    return seen
 
 
 def check_linearity(update: fx.GraphModule) -> Linearity:
@@ -88,7 +79,7 @@ def check_linearity(update: fx.GraphModule) -> Linearity:
     loss = output.args[0][0] if isinstance(output.args[0], (list, tuple)) else output.args[0]
     if not adv:
         return Linearity(False, "the update reads no advantages input", (), ())
-    feeds_loss = _ancestors(loss)
+    feeds_loss = ancestors(loss)
     dependent = {adv[0]}
     depends = dependent.__contains__
     ties = []
@@ -96,7 +87,7 @@ def check_linearity(update: fx.GraphModule) -> Linearity:
         if node not in feeds_loss or node.op != "call_function" or not any(depends(a) for a in node.all_input_nodes):
             continue
         dependent.add(node)
-        name = _target_name(node)
+        name = op_name(node)
         inputs = [a for a in node.args[:2] if isinstance(a, fx.Node)]
         if name in _LINEAR_UNARY or name in _ADDITIVE:
             ok = True

@@ -15,7 +15,8 @@ from dataclasses import dataclass
 
 import torch.fx as fx
 
-from .backbone import _target_name, backbone_calls
+from .backbone import backbone_calls
+from .graph import op_packet
 from .meta import CALL, FINDING
 
 _RANDOM_OPS = {"native_dropout", "bernoulli", "rand", "randn", "rand_like", "randn_like", "randint", "normal",
@@ -24,7 +25,7 @@ _RANDOM_OPS = {"native_dropout", "bernoulli", "rand", "randn", "rand_like", "ran
 
 def _op_name(node: fx.Node) -> str:
     """The op's name without overload or in-place suffix: ``bernoulli_.float`` -> ``bernoulli``."""
-    return _target_name(node).split(".")[0].rstrip("_")
+    return op_packet(node).rstrip("_")
 
 
 @dataclass(frozen=True)
