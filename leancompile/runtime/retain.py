@@ -22,7 +22,6 @@ from .partition import PartitionedBackbone, SavedBytes
 class KeptCall:
     """One rollout backbone call kept for the update."""
 
-    step: int
     rows: torch.Tensor  # sample indices, in batch order within each segment
     inputs: torch.Tensor  # the call's latent input, to verify that a reuse sees the same values
     values: torch.Tensor  # the call's output, detached (all segments)
@@ -107,7 +106,7 @@ class RetainRuntime:
             if state.versions is None:  # the weights the kept graphs were computed with
                 state.versions = [p._version for p in self.trainable]
             index = len(state.kept)
-            state.kept.append(KeptCall(step, rows.cpu(), x.detach(), values, with_grad))
+            state.kept.append(KeptCall(rows.cpu(), x.detach(), values, with_grad))
             state.retained_bytes += counter.total
             for position, row in enumerate(rows.tolist()):
                 state.where[(row, step)] = (index, position)
