@@ -2,119 +2,17 @@
 from __future__ import annotations
 
 import copy
+import functools
 
 from . import passes
+from .optimized import optimized_class
 from .plan import Plan, StepAction
 from .protocol import check_protocol
-from .runtime.retain import RetainRuntime, swapped_backbone
+from .runtime.retain import RetainRuntime
+from .runtime.per_sample import PerSampleGradients
+from .runtime.reweight import ReweightRuntime
 
 SCHEDULES = ("auto", "retain", "reweight", "native")
-
-
-class _Optimized:
-    """Mixed in before the trainer's own class: overrides the protocol's call sites and loop hooks."""
-
-    plan: Plan
-    graphs: dict
-    _runtime: RetainRuntime | None
-
-    def explain(self) -> str:
-        from .explain import explain_text
-
-        return explain_text(self)
-
-    def step(self, prompts):
-        runtime = self._runtime
-        if runtime is None:
-            return super().step(prompts)
-        runtime.state = type(runtime.state)()
-        try:
-            stats = super().step(prompts)
-        finally:
-            runtime.state.kept.clear()  # nothing outlives its GRPO step
-        records = runtime.state.records
-        stats.update(
-            reused_micro_steps=sum(r.action == "reuse" for r in records),
-            recomputed_micro_steps=sum(r.action == "recompute" for r in records),
-            retained_bytes=runtime.state.retained_bytes,
-        )
-        self.last_micro_steps = list(records)
-        if runtime.partitioned.forward_graph is not None:
-            self.graphs["backbone_forward"] = runtime.partitioned.forward_graph
-            self.graphs["backbone_backward"] = runtime.partitioned.backward_graph
-        return stats
-
-    def sde_mask(self):
-        mask = super().sde_mask()
-        if self._runtime is not None:
-            # Epoch 0's trained steps come from the ``steps`` generator right after the window, exactly where the
-            # native update would draw them; rewards cannot change them, so they are known before the rollout.
-            self._runtime.state.schedule = super().trained_step_schedule(self._num_samples, mask)
-        return mask
-
-    def rollout(self, prompts):
-        prompts = list(prompts)
-        self._num_samples = len(prompts) * self.config.group_size
-        return super().rollout(prompts)
-
-    def trained_step_schedule(self, num_samples, sde_steps):
-        state = self._runtime.state if self._runtime is not None else None
-        if state is not None and state.schedule is not None:
-            schedule, state.schedule = state.schedule, None
-            return schedule
-        if state is not None:
-            state.epoch += 1
-            state.batch_rows = None
-        return super().trained_step_schedule(num_samples, sde_steps)
-
-    def rollout_velocity(self, step, rows, x, sigma, cond):
-        runtime = self._runtime
-        if runtime is None or not runtime.needs_retention(step, rows):
-            return super().rollout_velocity(step, rows, x, sigma, cond)
-        with swapped_backbone(self, runtime.kept_call(step, rows)):
-            return super().rollout_velocity(step, rows, x, sigma, cond)
-
-    def micro_step(self, rollout, advantages, rows, steps):
-        runtime = self._runtime
-        if runtime is not None:
-            state = runtime.state
-            if state.batch_rows is not rows:
-                state.batch = state.batch + 1 if state.batch_rows is not None else 0
-                state.batch_rows, state.slot = rows, 0
-            else:
-                state.slot += 1
-        return super().micro_step(rollout, advantages, rows, steps)
-
-    def train_velocity(self, micro):
-        runtime = self._runtime
-        if runtime is None:
-            return super().train_velocity(micro)
-        refusal = runtime.reuse_refusal(micro)
-        if refusal is not None:
-            runtime.record("recompute", refusal)
-            return super().train_velocity(micro)
-        runtime.record("reuse", "same weights, inputs and mode as the rollout")
-        with swapped_backbone(self, runtime.reused_call(micro)):
-            return super().train_velocity(micro)
-
-    def backward(self, loss):
-        super().backward(loss)
-        if self._runtime is not None:
-            self._runtime.collect()
-
-    def optimizer_step(self):
-        if self._runtime is not None:
-            self._runtime.flush()
-        super().optimizer_step()
-
-
-_CLASSES: dict[type, type] = {}
-
-
-def _optimized_class(cls: type) -> type:
-    if cls not in _CLASSES:
-        _CLASSES[cls] = type(f"Optimized{cls.__name__}", (_Optimized, cls), {})
-    return _CLASSES[cls]
 
 
 def _reuse_window(config) -> str:
@@ -136,10 +34,12 @@ def optimize(trainer, schedule: str = "auto", memory_budget: float | None = None
     Args:
         trainer: an object satisfying the trainer protocol (:mod:`leancompile.protocol`), e.g. a native
             ``FlowGRPOTrainer`` or ``DanceGRPOTrainer``. The result shares its weights, optimizer and generators.
-        schedule: ``"auto"`` (the fastest valid schedule), ``"retain"``, or ``"native"`` (the untransformed
-            program). ``"reweight"`` is recognised but not available in this version.
-        memory_budget: the fraction (0, 1] of the backbone's saved activations the partition may keep; below 1
-            the min-cut partitioner recomputes the rest in the backward.
+        schedule: ``"auto"`` (the fastest valid schedule), ``"retain"`` (keep the rollout's activations for the
+            update's backward), ``"reweight"`` (backpropagate during the rollout with a provisional advantage and
+            correct once the advantages are known), or ``"native"`` (the untransformed program). Where the
+            requested schedule is not valid the plan falls back (Reweight to Retain, Retain to native) and says why.
+        memory_budget: the fraction (0, 1] of the backbone's saved activations a Retain partition may keep; below
+            1 the min-cut partitioner recomputes the rest in the backward.
         strict: refuse reuse when the rollout's numerics differ from the update's (precision or casts).
 
     Returns:
@@ -147,8 +47,6 @@ def optimize(trainer, schedule: str = "auto", memory_budget: float | None = None
     """
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule must be one of {SCHEDULES}; got {schedule!r}")
-    if schedule == "reweight":
-        raise NotImplementedError("schedule='reweight' is not available yet; use 'retain', 'auto' or 'native'")
     if memory_budget is not None and not 0 < memory_budget <= 1:
         raise ValueError(f"memory_budget must be a fraction in (0, 1] of the saved activations; got {memory_budget!r}")
     if not isinstance(strict, bool):
@@ -159,16 +57,16 @@ def optimize(trainer, schedule: str = "auto", memory_budget: float | None = None
         plan = _native_plan(trainer.config, schedule, "not analysed", "schedule='native': the untransformed program")
         graphs, runtime = {"rollout": programs.rollout, "update": programs.update}, None
     else:
-        plan, graphs, runtime = _compile_retain(trainer, programs, schedule, memory_budget, strict)
+        plan, graphs, runtime = _compile(trainer, programs, schedule, memory_budget, strict)
     optimized = copy.copy(trainer)
-    optimized.__class__ = _optimized_class(type(trainer))
+    optimized.__class__ = optimized_class(type(trainer))
     optimized.plan = plan
     optimized.graphs = graphs
     optimized._runtime = runtime
     return optimized
 
 
-def _compile_retain(trainer, programs, requested: str, memory_budget, strict: bool):
+def _compile(trainer, programs, requested: str, memory_budget, strict: bool):
     """Run the passes in order; where one finds no valid reuse, the plan is native and says why."""
     config = trainer.config
     graphs = {"rollout": programs.rollout, "update": programs.update}
@@ -187,6 +85,17 @@ def _compile_retain(trainer, programs, requested: str, memory_budget, strict: bo
     if not validity.reusable:
         reason = "reuse refused: " + "; ".join(validity.reasons)
         return _native_plan(config, requested, description, reason, findings), graphs, None
+    linearity = passes.check_linearity(programs.update)
+    per_sample = PerSampleGradients(trainer.backbone, trainer.trainable)
+    use_reweight, choice = _choose_reweight(requested, config, linearity, per_sample, shared.cast_only)
+    if use_reweight:
+        provisional = passes.capture_provisional(trainer)
+        graphs = {"rollout": provisional, "update": programs.update, "rollout_traced": programs.rollout}
+        accumulate = functools.partial(_accumulators, config, bool(linearity.advantage_free))
+        runtime = ReweightRuntime(trainer, shared.layout.segments, accumulate)
+        plan = Plan("reweight", requested, _steps(config, "reweight"), _reuse_window(config), description,
+                    "nothing", findings, _describe_linearity(linearity), _describe_buffers(config), choice)
+        return plan, graphs, runtime
     need = passes.prune_gradient_need(programs.update, pair[0], shared.layout.segments)
     rewritten = passes.rewrite_for_retain(programs.rollout, programs.update, pair)
     graphs = {"rollout": rewritten.rollout, "update": rewritten.update,
@@ -195,9 +104,61 @@ def _compile_retain(trainer, programs, requested: str, memory_budget, strict: bo
                             memory_budget or 1.0, verify_inputs=not shared.cast_only)
     pruned = (f"segment(s) {list(need.pruned)} of the batch carry no gradient (e.g. a detached CFG branch): "
               "run without grad, not retained") if need.pruned else "nothing"
-    plan = Plan("retain", requested, _retain_steps(config), _reuse_window(config), description, pruned, findings,
-                _describe_linearity(passes.check_linearity(programs.update)))
+    plan = Plan("retain", requested, _steps(config, "retain"), _reuse_window(config), description, pruned, findings,
+                _describe_linearity(linearity), "none", choice)
     return plan, graphs, runtime
+
+
+def _choose_reweight(requested: str, config, linearity, per_sample, cast_only: bool) -> tuple[bool, str]:
+    """Whether Reweight runs, and why (or why Retain does)."""
+    if requested == "retain":
+        return False, "schedule='retain' requested"
+    refusal = None
+    if not linearity.affine:
+        refusal = f"Reweight refused: the loss is not affine in the advantages ({linearity.reason})"
+    elif not linearity.row_mean:
+        refusal = "Reweight refused: the loss sums over the micro-batch's rows; Reweight reads a mean"
+    elif cast_only:
+        refusal = "Reweight refused: the update's numerics differ from the rollout's (casts), so ratio != 1"
+    if refusal is not None:
+        return False, refusal + " -> Retain"
+    if requested == "reweight":
+        return True, "schedule='reweight' requested"
+    if linearity.advantage_free:
+        return False, (f"auto: the advantage-free terms ({', '.join(linearity.advantage_free)}) need a second "
+                       "backward per trained step in the rollout; Retain needs one")
+    if config.sample_batch_size != 1 and not per_sample.linear_covers_all:
+        return False, ("auto: per-sample gradients of these parameters (not all nn.Linear) cost one backward per "
+                       "sample of a rollout micro-batch; Retain needs one per micro-batch")
+    return True, ("auto: one backward per trained step in the rollout, then gradient buffers of the trainable "
+                  "weights instead of retained activations")
+
+
+def _accumulators(config, has_free: bool, num_samples: int) -> tuple[bool, str]:
+    """Whether this step's Reweight may fold finished samples into per-group moments (see passes.moments)."""
+    inactive, bound = passes.clip_never_binds(config, num_samples)
+    if not inactive:
+        return False, f"per-sample buffers: {bound}"
+    tbs, ga = config.train_batch_size, config.gradient_accumulation_steps
+    if num_samples > ga * tbs:
+        return False, f"per-sample buffers: {num_samples} samples span more than the first optimizer step ({ga} x {tbs})"
+    if num_samples > tbs and num_samples % tbs:
+        return False, f"per-sample buffers: {num_samples} samples make micro-batches of unequal size ({tbs})"
+    per = 1 + has_free
+    in_flight = min(config.sample_batch_size or num_samples, num_samples) * per
+    folded = in_flight + (num_samples // config.group_size) * (2 + has_free)
+    if folded >= num_samples * per:
+        return False, (f"per-sample buffers: {num_samples * per} buffers; moments would hold {folded} "
+                       "(the rollout runs too many samples at once)")
+    return True, f"moment accumulators ({bound}): {folded} buffers instead of {num_samples * per}"
+
+
+def _describe_buffers(config) -> str:
+    bound = passes.advantage_bound(config.adv_unbiased, config.global_std)
+    return ("per step: moment accumulators (a constant number of buffers per group) when the advantage clip "
+            f"provably never binds (|A| < {bound}) and every sample is trained in equal micro-batches before the "
+            "first optimizer step, and the rollout runs fewer samples at once than it holds; otherwise one "
+            "buffer per sample (stats: buffer_mode)")
 
 
 def _describe_linearity(linearity) -> str:
@@ -208,7 +169,7 @@ def _describe_linearity(linearity) -> str:
     return f"affine in the advantages at ratio 1 (ties proven: {ties}; advantage-free terms: {free})"
 
 
-def _retain_steps(config) -> tuple[StepAction, ...]:
+def _steps(config, action: str) -> tuple[StepAction, ...]:
     steps = []
     for i in range(config.num_steps):
         if config.trained_steps == "first" and i >= config.num_trained_steps:
@@ -216,6 +177,8 @@ def _retain_steps(config) -> tuple[StepAction, ...]:
         else:
             trained = {"first": "trained by every sample", "random": "trained by the samples that draw it",
                        "window": "trained when inside the SDE window"}[config.trained_steps]
-            steps.append(StepAction(i, "retain", f"{trained}: the rollout keeps its activations for the micro-steps "
-                                    "before the first optimizer step; later micro-steps recompute"))
+            how = ("the rollout keeps its activations for the micro-steps" if action == "retain" else
+                   "the rollout backpropagates it at a provisional advantage of 1, corrected for the micro-steps")
+            steps.append(StepAction(i, action, f"{trained}: {how} before the first optimizer step; later "
+                                    "micro-steps recompute"))
     return tuple(steps)

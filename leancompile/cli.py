@@ -18,7 +18,7 @@ def main(argv=None) -> int:
                          help="family of the tiny random backbone (default: sd3)")
     explain.add_argument("--trainer", choices=("flowgrpo", "dancegrpo"), default="flowgrpo",
                          help="GRPO algorithm (default: flowgrpo)")
-    explain.add_argument("--schedule", choices=("auto", "retain", "native"), default="auto",
+    explain.add_argument("--schedule", choices=("auto", "retain", "reweight", "native"), default="auto",
                          help="schedule passed to optimize() (default: auto)")
     explain.add_argument("--cfg", action="store_true", help="train with classifier-free guidance")
     explain.add_argument("--out", default="explain-out", help="output folder (default: explain-out)")

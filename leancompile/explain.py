@@ -19,6 +19,12 @@ def explain_text(trainer) -> str:
     lines = [str(trainer.plan), "", "graphs:"]
     for name, gm in trainer.graphs.items():
         s = graph_summary(gm)
-        extra = "".join(f", {k}: {', '.join(s[k])}" for k in ("inserted", "reused") if s[k])
+        extra = "".join(f", {k}: {_names(s[k])}" for k in ("inserted", "reused") if s[k])
         lines.append(f"  {name:<18} {s['nodes']:>5} nodes, {s['backbone']:>5} in backbone calls{extra}")
     return "\n".join(lines)
+
+
+def _names(names: list[str], shown: int = 6) -> str:
+    if len(names) <= shown:
+        return ", ".join(names)
+    return f"{len(names)} nodes ({', '.join(names[:shown // 2])}, ..., {', '.join(names[-(shown // 2):])})"

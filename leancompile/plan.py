@@ -7,7 +7,7 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class StepAction:
     step: int
-    action: str  # "retain" | "recompute" | "native" | "no-grad"
+    action: str  # "retain" | "reweight" | "recompute" | "native" | "no-grad"
     reason: str
 
 
@@ -15,7 +15,7 @@ class StepAction:
 class Plan:
     """A schedule for every denoising step of a GRPO step, with the analyses that justify it."""
 
-    schedule: str  # "retain" | "native"
+    schedule: str  # "retain" | "reweight" | "native"
     requested: str  # what the user asked for ("auto", "retain", ...)
     steps: tuple[StepAction, ...]
     reuse_window: str  # which update micro-steps reuse the rollout
@@ -23,6 +23,8 @@ class Plan:
     pruned: str  # what gradient-need pruning removed from retention
     findings: tuple[str, ...] = ()  # validity findings (numerics, refusals)
     linearity: str = "not analysed"  # whether the loss is affine in the advantages (what Reweight needs)
+    buffers: str = "none"  # how Reweight holds its provisional gradients, and why
+    choice: str = ""  # why this schedule rather than the others
 
     def action(self, step: int) -> StepAction:
         return self.steps[step]
@@ -32,7 +34,9 @@ class Plan:
                  f"  shared backbone: {self.shared}",
                  f"  reuse window:    {self.reuse_window}",
                  f"  pruned:          {self.pruned}",
-                 f"  linearity:       {self.linearity}"]
+                 f"  linearity:       {self.linearity}",
+                 f"  buffers:         {self.buffers}",
+                 f"  choice:          {self.choice}"]
         lines += [f"  finding:         {f}" for f in self.findings]
         lines.append(f"  {'step':>4}  {'action':<10} reason")
         lines += [f"  {a.step:>4}  {a.action:<10} {a.reason}" for a in self.steps]

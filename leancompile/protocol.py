@@ -15,17 +15,19 @@ Attributes:
 
 Methods:
     step(prompts) -> dict: one GRPO step (rollout, advantages, update).
-    rollout(prompts), sde_mask(), rollout_velocity(step, rows, x, sigma, cond): the rollout and its backbone
-        call site (no grad).
+    rollout(prompts), sde_mask(), rollout_step(step, rows, x, cond, sde) -> (x_next, log_prob),
+        rollout_velocity(step, rows, x, sigma, cond): the rollout, one denoising step of it, and its backbone call
+        site (no grad).
     trained_step_schedule(num_samples, sde_steps), micro_step(rollout, advantages, rows, steps),
         micro_step_loss(micro), train_velocity(micro): the update's schedule, inputs, loss and backbone call site.
-    backward(loss), optimizer_step(): the update's backward and optimizer step.
+        ``micro_step_loss`` is the mean over the micro-batch's rows of a per-row loss (Reweight reads it so).
+    update(rollout, advantages), backward(loss), optimizer_step(): the update, its backward and optimizer step.
 """
 from __future__ import annotations
 
 ATTRIBUTES = ("config", "backbone", "trainable", "sigmas", "step_fn", "dtype")
-METHODS = ("step", "rollout", "sde_mask", "rollout_velocity", "trained_step_schedule", "micro_step",
-           "micro_step_loss", "train_velocity", "backward", "optimizer_step")
+METHODS = ("step", "rollout", "sde_mask", "rollout_step", "rollout_velocity", "trained_step_schedule", "micro_step",
+           "micro_step_loss", "train_velocity", "update", "backward", "optimizer_step")
 
 
 def check_protocol(trainer) -> None:

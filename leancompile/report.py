@@ -20,11 +20,12 @@ import torch
 import torch.fx as fx
 
 from .passes.graph import op_packet
-from .passes.meta import CALL, INPUT, REWRITE, SHARED
+from .passes.meta import CALL, INPUT, PROVISIONAL, REWRITE, SHARED
 
 # role -> (fill, outline, legend text). Highlighted roles come first: they are what the report is about.
 ROLES = {
-    "inserted": ("#8fdc9b", "#1e7b34", "inserted by the rewrite (the rollout keeps the backbone output)"),
+    "inserted": ("#8fdc9b", "#1e7b34", "inserted by the rewrite (Retain: the rollout keeps the backbone output; "
+                 "Reweight: the provisional backward and the correction)"),
     "reused": ("#9fcbff", "#1f5fa8", "placeholder that reads the rollout's retained backbone output"),
     "removed": ("#ffa79d", "#b3261e", "update backbone node shared with the rollout, removed by the rewrite"),
     "backbone": ("#ffdc8f", "#a86f00", "backbone call region, collapsed into one box"),
@@ -105,16 +106,26 @@ def _parameters(nodes) -> tuple[int, int]:
     return len(params), scalars
 
 
+def _region_key(node: fx.Node):
+    """Nodes drawn as one box: a backbone call (by call index), or Reweight's provisional backward."""
+    call = node.meta.get(CALL)
+    if call is not None:
+        return ("backbone", call.index)
+    if node.meta.get(PROVISIONAL) not in (None, "loss"):
+        return ("provisional", 0)
+    return None
+
+
 def _call_regions(nodes) -> list[_Box]:
-    """One box per run of consecutive nodes with the same backbone-call index."""
+    """One box per run of consecutive nodes with the same region key."""
     boxes = []
     for node in nodes:
-        call = node.meta.get(CALL)
-        if call is None:
+        key = _region_key(node)
+        if key is None:
             continue
         last = boxes[-1] if boxes else None
-        if last is None or last.members[-1].next is not node or last.members[-1].meta[CALL].index != call.index:
-            boxes.append(_Box(f"call{len(boxes)}", "backbone"))
+        if last is None or last.members[-1].next is not node or _region_key(last.members[-1]) != key:
+            boxes.append(_Box(f"call{len(boxes)}", "backbone" if key[0] == "backbone" else "inserted"))
         boxes[-1].members.append(node)
     return boxes
 
@@ -184,6 +195,10 @@ def _label(box: _Box, roles: dict[str, str]) -> None:
         box.lines = [f"backbone call {call.index} ({call.module})",
                      f"{len(compute)} aten nodes" + (f", {removed} removed by the rewrite" if removed else ""),
                      _histogram(compute), f"{count} parameters, {scalars:,} weights"]
+    elif box.role == "inserted":
+        grads = sum(n.name.startswith("provisional_grad_") for n in compute)
+        box.lines = ["provisional backward (Reweight)", f"{len(compute) - grads} aten nodes", _histogram(compute),
+                     f"{grads} gradient buffers out"]
     elif box.role == "span":
         inputs = len(nodes) - len(compute)
         box.lines = [f"{compute[0].name} … {compute[-1].name}",
@@ -368,7 +383,8 @@ def _rows(cells_per_row, header=None) -> str:
 
 def _plan_html(plan) -> str:
     facts = [("schedule", f"{plan.schedule} (requested {plan.requested})"), ("shared backbone", plan.shared),
-             ("reuse window", plan.reuse_window), ("pruned", plan.pruned), ("linearity", plan.linearity)]
+             ("reuse window", plan.reuse_window), ("pruned", plan.pruned), ("linearity", plan.linearity),
+             ("buffers", plan.buffers), ("choice", plan.choice)]
     facts += [("finding", f) for f in plan.findings]
     steps = [(a.step, a.action, a.reason) for a in plan.steps]
     return _rows(facts) + _rows(steps, header=("step", "action", "reason"))

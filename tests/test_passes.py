@@ -126,15 +126,20 @@ def test_native_schedule_runs_the_untransformed_program():
     assert "reused_micro_steps" not in native.step([1])
 
 
-def test_dancegrpo_plan_and_explain():
+@pytest.mark.parametrize("schedule, action, marks", [
+    ("retain", "retain", ("reused_backbone_out_from_rollout", "retain_backbone_out_for_update")),
+    ("auto", "reweight", ("provisional_grad_", "choice:          auto: one backward per trained step")),
+])
+def test_dancegrpo_plan_and_explain(schedule, action, marks):
     backbone = backbones.tiny("wan", seed=0)
     prompts = PromptTable(backbone)
     from leancompile.trainers import DanceGRPOTrainer
-    trainer = optimize(DanceGRPOTrainer(DanceGRPOConfig(num_steps=4, group_size=2), backbone, mean_reward, prompts))
-    assert trainer.plan.schedule == "retain"
-    assert [a.action for a in trainer.plan.steps] == ["retain"] * 4
+    trainer = optimize(DanceGRPOTrainer(DanceGRPOConfig(num_steps=4, group_size=2), backbone, mean_reward, prompts),
+                       schedule)
+    assert trainer.plan.schedule == action
+    assert [a.action for a in trainer.plan.steps] == [action] * 4
     text = trainer.explain()
-    assert "reused_backbone_out_from_rollout" in text and "retain_backbone_out_for_update" in text
+    assert all(mark in text for mark in marks)
 
 
 class RoundingRolloutTrainer(FlowGRPOTrainer):

@@ -5,9 +5,10 @@ Each pass is a function over FX graphs that records what it found in ``node.meta
 every graph after each.
 """
 from .backbone import SharedBackbone, detect_shared_backbone
-from .capture import BackboneCall, Programs, capture
+from .capture import BackboneCall, Programs, capture, capture_provisional
 from .gradients import GradientNeed, prune_gradient_need
 from .linearity import Linearity, check_linearity
+from .moments import advantage_bound, clip_never_binds, max_abs_advantage
 from .rewrite import RewrittenPrograms, rewrite_for_retain
 from .validity import Validity, check_validity
 
@@ -19,10 +20,14 @@ __all__ = [
     "RewrittenPrograms",
     "SharedBackbone",
     "Validity",
+    "advantage_bound",
     "capture",
+    "capture_provisional",
     "check_linearity",
     "check_validity",
+    "clip_never_binds",
     "detect_shared_backbone",
+    "max_abs_advantage",
     "prune_gradient_need",
     "rewrite_for_retain",
 ]

@@ -35,6 +35,7 @@ class Linearity:
     reason: str | None  # why not, naming the node and op
     ties: tuple[str, ...]  # max/min nodes proven to tie at ratio == 1
     advantage_free: tuple[str, ...]  # summands of the loss that do not depend on the advantages
+    row_mean: bool = True  # the advantages reach the loss through means only (a sum over rows would not be)
 
 
 def _clamp_ratio(node) -> tuple[fx.Node, float, float] | None:
@@ -103,4 +104,5 @@ def check_linearity(update: fx.GraphModule) -> Linearity:
             return Linearity(False, f"{node.name} ({name}) is not linear in the advantages", tuple(ties), ())
         node.meta[LINEARITY] = "tie" if node.name in ties else "affine"
     free = tuple(n.name for n in _summands(loss) if n not in dependent)
-    return Linearity(True, None, tuple(ties), free)
+    row_mean = not any(op_name(n).startswith("sum.") for n in dependent if n.op == "call_function")
+    return Linearity(True, None, tuple(ties), free, row_mean)

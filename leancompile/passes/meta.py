@@ -8,3 +8,4 @@ NEEDS_GRAD = "leancompile.needs_grad"  # backbone output -> tuple of the row seg
 FINDING = "leancompile.finding"  # validity findings attached to the node they concern
 REWRITE = "leancompile.rewrite"  # "inserted" | "reused" on nodes the rewrite made
 LINEARITY = "leancompile.linearity"  # "affine" | "tie" on update nodes that depend on the advantages
+PROVISIONAL = "leancompile.provisional"  # Reweight's rollout: "loss" (head at A = 1), "backward", or the weight's name

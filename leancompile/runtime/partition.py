@@ -39,7 +39,7 @@ class SavedBytes:
 
 
 @contextlib.contextmanager
-def _without_checkpointing(model):
+def without_checkpointing(model):
     """Retention is the opposite of activation checkpointing: compile the plain blocks."""
     old = getattr(model, "gradient_checkpointing", False)
     model.gradient_checkpointing = False
@@ -97,5 +97,5 @@ class PartitionedBackbone:
         # aot_function traces and partitions on its first call: the budget only matters then.
         budget = (functorch_config.patch(activation_memory_budget=self.memory_budget) if compiling
                   else contextlib.nullcontext())
-        with _without_checkpointing(self.backbone.model), budget:
+        with without_checkpointing(self.backbone.model), budget:
             return self._compiled[key](self._params, self._buffers, x, sigma, cond.text, cond.pooled)

@@ -9,12 +9,12 @@ the graphs are then freed, and later micro-steps recompute (the weights have cha
 """
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass, field
 
 import torch
 
 from ..backbones import Conditioning
+from .base import Runtime, StepState
 from .partition import PartitionedBackbone, SavedBytes
 
 
@@ -30,51 +30,36 @@ class KeptCall:
 
 
 @dataclass
-class MicroStepRecord:
-    epoch: int
-    batch: int
-    slot: int
-    action: str  # "reuse" | "recompute"
-    reason: str
-
-
-@dataclass
-class RetainState:
-    """Per-GRPO-step state of the Retain runtime."""
-
+class RetainState(StepState):
     kept: list[KeptCall] = field(default_factory=list)
     where: dict[tuple[int, int], tuple[int, int]] = field(default_factory=dict)  # (row, step) -> (call, position)
     pending: list[tuple[torch.Tensor, list[tuple[int, int]], int]] = field(default_factory=list)
-    versions: list[int] | None = None
-    window_open: bool = True
-    schedule: torch.Tensor | None = None  # epoch 0's trained steps, drawn before the rollout
-    records: list[MicroStepRecord] = field(default_factory=list)
     retained_bytes: int = 0
-    epoch: int = 0
-    batch: int = 0
-    slot: int = 0
-    batch_rows: object = None  # the micro-batch being trained, to count micro-batches and slots
 
 
-class RetainRuntime:
+class RetainRuntime(Runtime):
     """Executes a Retain plan for one trainer's ``backbone`` and ``trainable`` weights. ``segments`` is the row
     layout of the shared call's batch and ``grad_segments`` those the loss differentiates (from the passes)."""
 
+    state_class = RetainState
+
     def __init__(self, backbone, trainable, segments: int, grad_segments: tuple[int, ...],
                  memory_budget: float = 1.0, verify_inputs: bool = True):
-        self.trainable = trainable
+        super().__init__(trainable)
         # Off only when the passes matched the calls modulo casts: then the inputs differ by design.
         self.verify_inputs = verify_inputs
         self.segments = segments
         self.grad_segments = grad_segments
         self.partitioned = PartitionedBackbone(backbone, memory_budget)
-        self.state = RetainState()
+
+    def end_step(self) -> dict:
+        self.state.kept.clear()  # nothing outlives its GRPO step
+        return {**super().end_step(), "retained_bytes": self.state.retained_bytes}
 
     # ------------------------------------------------------------------------------------------ rollout
 
-    def needs_retention(self, step: int, rows: torch.Tensor) -> bool:
-        schedule = self.state.schedule
-        return schedule is not None and bool((schedule[rows.cpu()] == step).any())
+    def rollout_call(self, step: int, rows: torch.Tensor):
+        return self.kept_call(step, rows) if bool(self.trained_at(step, rows).any()) else None
 
     def kept_call(self, step: int, rows: torch.Tensor):
         """A callable with the backbone's signature that runs and keeps the rollout's call for ``(step, rows)``."""
@@ -103,8 +88,7 @@ class RetainRuntime:
                 with torch.enable_grad():
                     with_grad = torch.cat(grad_parts) if len(grad_parts) > 1 else grad_parts[0]
             state = self.state
-            if state.versions is None:  # the weights the kept graphs were computed with
-                state.versions = [p._version for p in self.trainable]
+            self.remember_weights()
             index = len(state.kept)
             state.kept.append(KeptCall(rows.cpu(), x.detach(), values, with_grad))
             state.retained_bytes += counter.total
@@ -116,16 +100,22 @@ class RetainRuntime:
 
     # ------------------------------------------------------------------------------------------- update
 
+    def train_call(self, micro):
+        refusal = self.reuse_refusal(micro)
+        if refusal is not None:
+            self.record("recompute", refusal)
+            return None
+        self.record("reuse", "same weights, inputs and mode as the rollout")
+        return self.reused_call(micro)
+
     def reuse_refusal(self, micro) -> str | None:
         """Why ``micro`` cannot reuse the rollout (None if it can)."""
-        state = self.state
-        if not state.window_open:
-            return "after an optimizer step: the weights differ from the rollout's"
-        missing = [(r, s) for r, s in zip(micro.rows.tolist(), micro.steps.tolist()) if (r, s) not in state.where]
+        refusal = self.window_refusal()
+        if refusal is not None:
+            return refusal
+        missing = [(r, s) for r, s in zip(micro.rows.tolist(), micro.steps.tolist()) if (r, s) not in self.state.where]
         if missing:
             return f"rows/steps {missing[:3]} were not kept by the rollout"
-        if [p._version for p in self.trainable] != state.versions:
-            return "the trainable weights were modified since the rollout"
         return None
 
     def reused_call(self, micro):
@@ -154,7 +144,7 @@ class RetainRuntime:
 
         return call
 
-    def collect(self) -> None:
+    def after_backward(self) -> None:
         """After a micro-step's backward: move its leaves' gradients into the kept calls' buffers."""
         state = self.state
         for leaf, places, grad_segment in state.pending:
@@ -167,7 +157,7 @@ class RetainRuntime:
                 kept.grad[grad_segment * len(kept.rows) + position] += row_grad
         state.pending.clear()
 
-    def flush(self) -> None:
+    def before_optimizer_step(self) -> None:
         """One backward through every kept call that received gradient, then free them all."""
         state = self.state
         used = [k for k in state.kept if k.grad is not None]
@@ -175,33 +165,4 @@ class RetainRuntime:
             torch.autograd.backward([k.with_grad for k in used], [k.grad for k in used])
         state.kept.clear()
         state.where.clear()
-        state.window_open = False
-
-    def record(self, action: str, reason: str) -> None:
-        s = self.state
-        s.records.append(MicroStepRecord(s.epoch, s.batch, s.slot, action, reason))
-
-
-@contextlib.contextmanager
-def swapped_backbone(trainer, call):
-    """Route the trainer's backbone calls (``self.backbone(...)``) to ``call`` for the duration."""
-    original = trainer.backbone
-    trainer.__dict__["backbone"] = _CallAs(original, call)
-    try:
-        yield
-    finally:
-        trainer.__dict__["backbone"] = original
-
-
-class _CallAs:
-    """Looks like the backbone (attributes delegate to it) but calls ``call``."""
-
-    def __init__(self, backbone, call):
-        self._backbone = backbone
-        self._call = call
-
-    def __call__(self, *args, **kwargs):
-        return self._call(*args, **kwargs)
-
-    def __getattr__(self, name):
-        return getattr(self._backbone, name)
+        super().before_optimizer_step()

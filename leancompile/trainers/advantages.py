@@ -20,6 +20,17 @@ def check_rewards(rewards: torch.Tensor, num_samples: int) -> torch.Tensor:
     return rewards.to(torch.float64)
 
 
+def group_statistics(rewards: torch.Tensor, group_size: int, *, unbiased: bool, global_std: bool = False):
+    """``(mean, std)`` per group of ``group_size`` consecutive rewards; ``global_std`` takes the std over all."""
+    if rewards.numel() % group_size:
+        raise ValueError(f"the number of rewards ({rewards.numel()}) is not a multiple of group_size ({group_size})")
+    groups = rewards.reshape(-1, group_size)
+    mean = groups.mean(dim=1)
+    std = (rewards.std(correction=int(unbiased)).expand(len(groups)) if global_std
+           else groups.std(dim=1, correction=int(unbiased)))
+    return mean, std
+
+
 def group_advantages(
     rewards: torch.Tensor,
     group_size: int,
@@ -35,10 +46,6 @@ def group_advantages(
     rewards are all equal gets zero advantages (not NaN): its deviation is exactly zero and ``eps`` keeps the
     denominator positive.
     """
-    if rewards.numel() % group_size:
-        raise ValueError(f"the number of rewards ({rewards.numel()}) is not a multiple of group_size ({group_size})")
-    groups = rewards.reshape(-1, group_size)
-    mean = groups.mean(dim=1, keepdim=True)
-    std = rewards.std(correction=int(unbiased)) if global_std else groups.std(dim=1, keepdim=True, correction=int(unbiased))
-    adv = ((groups - mean) / (std + eps)).reshape(-1)
+    mean, std = group_statistics(rewards, group_size, unbiased=unbiased, global_std=global_std)
+    adv = ((rewards.reshape(-1, group_size) - mean[:, None]) / (std[:, None] + eps)).reshape(-1)
     return adv.clamp(-clip, clip) if clip is not None else adv

@@ -233,14 +233,7 @@ class GRPOTrainer:
             x = x0[rows]
             traj, lps = [x], []
             for i in range(cfg.num_steps):
-                sigma = self.sigmas[i].expand(len(rows))
-                sigma_next = self.sigmas[i + 1].expand(len(rows))
-                v = self.rollout_velocity(i, rows, x, sigma, cond.index(rows))
-                if sde[i]:
-                    res = self.step_fn(x, v, sigma, sigma_next, cfg.noise, noise=self.draw_noise(x.shape))
-                    x, lp = res.prev_sample, res.log_prob
-                else:
-                    x, lp = ode_step(x, v, sigma, sigma_next), torch.zeros(len(rows), dtype=x.dtype, device=x.device)
+                x, lp = self.rollout_step(i, rows, x, cond.index(rows), bool(sde[i]))
                 traj.append(x)
                 lps.append(lp)
             latents.append(torch.stack(traj, dim=1))
@@ -255,6 +248,17 @@ class GRPOTrainer:
         )
         rollout.rewards = check_rewards(self.reward_fn(rollout.final.float(), rollout.prompts), num).to(self.device)
         return rollout
+
+    def rollout_step(self, step: int, rows: torch.Tensor, x, cond: Conditioning, sde: bool):
+        """Denoising step ``step`` of samples ``rows``: the backbone call, then the SDE update and its log-prob (or a
+        deterministic ODE update, log-prob 0). Returns ``(x_next, log_prob)``."""
+        sigma = self.sigmas[step].expand(len(rows))
+        sigma_next = self.sigmas[step + 1].expand(len(rows))
+        v = self.rollout_velocity(step, rows, x, sigma, cond)
+        if sde:
+            res = self.step_fn(x, v, sigma, sigma_next, self.config.noise, noise=self.draw_noise(x.shape))
+            return res.prev_sample, res.log_prob
+        return ode_step(x, v, sigma, sigma_next), torch.zeros(len(rows), dtype=x.dtype, device=x.device)
 
     def advantages(self, rewards: torch.Tensor) -> torch.Tensor:
         cfg = self.config

@@ -1,0 +1,350 @@
+"""Reweight at run time: the rollout backpropagates each trained step as soon as it is sampled, with a provisional
+advantage, into per-sample gradient buffers; once the advantages are known, the correction scales and sums the
+buffers into the weights' gradients, and the update skips those micro-steps.
+
+At ratio 1 the loss of one row is affine in its advantage (the linearity pass proves it):
+``loss_i(A) = A * P_i + F_i``, ``F_i`` the advantage-free terms (e.g. the KL penalty). For each trained row the
+rollout evaluates the trainer's own loss head at ``A = 1`` and ``A = 0`` on the step's output (a leaf, no second
+backbone forward), which gives the cotangents of ``P_i`` and ``F_i`` on the backbone's output; one backward of the
+batched call (two with advantage-free terms) gives every sample's ``dP_i`` and ``dF_i``
+(:mod:`leancompile.runtime.per_sample`), summed over the sample's trained steps into its buffers.
+
+A micro-step of the update before the first optimizer step whose rows all have buffers is not run: it returns the
+loss value ``mean_i(A_i P_i + F_i)`` and the weight ``w`` the trainer's backward gives it (it scales the loss by
+``1 / (accumulation x trained steps)``) is read off its backward. The correction then adds
+``sum_i w_i (A_i dP_i + dF_i)``, ``w_i = w / |micro-batch|``, to the gradients before that optimizer step.
+
+With moment accumulators (:mod:`leancompile.passes.moments`) a finished sample is scored at once and its buffers
+fold into per-group sums ``sum (r_i - r0) dP_i``, ``sum dP_i`` and ``sum dF_i`` (``r0``: the group's first reward,
+so the sums do not cancel); the correction applies each group's mean and std.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..trainers.advantages import group_statistics
+from .base import Runtime, StepState
+from .correction import Correction
+from .partition import without_checkpointing
+from .per_sample import PerSampleGradients
+
+
+@dataclass
+class ProvisionalCall:
+    """The rollout's backbone call for one (chunk, step), run with grad."""
+
+    step: int
+    rows: torch.Tensor
+    inputs: torch.Tensor
+    output: torch.Tensor  # with its autograd graph
+    leaf_rows: torch.Tensor | None = None  # the call rows the current head evaluation reads
+    leaf: torch.Tensor | None = None
+
+
+@dataclass
+class GroupMoments:
+    offset: float  # r0, the group's first finished reward
+    centred: list[torch.Tensor]  # sum_i (r_i - r0) dP_i
+    plain: list[torch.Tensor]  # sum_i dP_i
+    free: list[torch.Tensor] | None  # sum_i dF_i
+
+
+@dataclass
+class ReweightState(StepState):
+    mode: str = "per-sample"  # "per-sample" | "accumulators"
+    mode_reason: str = ""
+    prompts: list = field(default_factory=list)
+    window: set = field(default_factory=set)  # samples whose trained steps the rollout backpropagates
+    call: ProvisionalCall | None = None
+    steps_done: dict = field(default_factory=dict)  # (sample, step) -> (loss at A=0, at A=1, info at 0, info at 1)
+    policy: dict = field(default_factory=dict)  # sample -> [dP_i per parameter]
+    free: dict = field(default_factory=dict)  # sample -> [dF_i per parameter]
+    groups: dict = field(default_factory=dict)  # group -> GroupMoments
+    early_rewards: dict = field(default_factory=dict)  # sample -> reward scored as soon as it finished
+    advantages: torch.Tensor | None = None
+    usable: bool = False
+    unusable_reason: str = "the rollout backpropagated nothing"
+    weights: dict = field(default_factory=dict)  # sample -> [w / |micro-batch| of each skipped micro-step]
+    buffer_bytes: int = 0
+    peak_buffer_bytes: int = 0
+    peak_buffers: int = 0
+
+
+class _LossWeight(torch.autograd.Function):
+    """Passes a loss value through; its backward reports the weight the trainer gave the loss."""
+
+    @staticmethod
+    def forward(ctx, value, anchor, sink):
+        ctx.sink = sink
+        return value.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.sink.append(float(grad))
+        return None, None, None
+
+
+class ReweightRuntime(Runtime):
+    """Executes a Reweight plan for one trainer. ``accumulate(num_samples) -> (bool, reason)`` says when moment
+    accumulators are exact (from the passes); ``segments`` is the shared call's row layout."""
+
+    action = "reweight"
+    state_class = ReweightState
+
+    def __init__(self, trainer, segments: int, accumulate):
+        super().__init__(trainer.trainable)
+        self.config = trainer.config
+        self.reward_fn = trainer.reward_fn
+        self.generator = trainer.generators["shuffle"]
+        self.backbone = trainer.backbone
+        self.sigmas = trainer.sigmas
+        self.segments = segments
+        self.accumulate = accumulate
+        self.per_sample = PerSampleGradients(trainer.backbone, trainer.trainable)
+        self.correction = Correction(trainer.trainable)
+        self._buffer_size = sum(p.numel() * p.element_size() for p in trainer.trainable)
+
+    def end_step(self) -> dict:
+        s = self.state
+        stats = {**super().end_step(), "buffer_bytes": s.peak_buffer_bytes, "buffers": s.peak_buffers,
+                 "buffer_mode": s.mode}
+        self.state = self.state_class()  # nothing outlives its GRPO step
+        return stats
+
+    # ------------------------------------------------------------------------------------------ rollout
+
+    def begin_rollout(self, trainer, prompts: list) -> None:
+        cfg, s = self.config, self.state
+        s.prompts = [p for p in prompts for _ in range(cfg.group_size)]
+        n = len(s.prompts)
+        # The first optimizer step's micro-batches, as micro_batches() will draw them if no sample is dropped;
+        # a sample dropped or moved after all just recomputes.
+        shuffle = torch.Generator().set_state(self.generator.get_state())
+        s.window = set(torch.randperm(n, generator=shuffle)[:cfg.gradient_accumulation_steps * cfg.train_batch_size]
+                       .tolist())
+        accumulate, reason = self.accumulate(n)
+        s.mode, s.mode_reason = ("accumulators" if accumulate else "per-sample"), reason
+
+    def rollout_call(self, step: int, rows: torch.Tensor):
+        s = self.state
+        if not any(r in s.window for r in rows.cpu()[self.trained_at(step, rows)].tolist()):
+            return None
+
+        def call(x, sigma, cond):
+            self.remember_weights()
+            with torch.enable_grad(), without_checkpointing(self.backbone.model), \
+                    self.per_sample.recording(x.shape[0]):
+                output = self.backbone(x, sigma, cond)
+            s.call = ProvisionalCall(step, rows.cpu(), x.detach(), output)
+            return output.detach()
+
+        return call
+
+    def train_call(self, micro):
+        call = self.state.call
+        if call is None or call.leaf_rows is None:
+            return None
+
+        def leaf(x, sigma, cond):
+            if not torch.equal(x, call.inputs[call.leaf_rows]):
+                raise RuntimeError("leancompile: the loss head's backbone input differs from the rollout's call; "
+                                   "the trainer's train_velocity does not recompute rollout_velocity")
+            if call.leaf is None:
+                call.leaf = call.output.detach()[call.leaf_rows].requires_grad_()
+            return call.leaf
+
+        return leaf
+
+    def after_rollout_step(self, step, rows, x, x_next, log_prob, cond, loss_fn) -> None:
+        s, call = self.state, self.state.call
+        if call is not None and call.step == step:
+            self._provisional_backward(call, x, x_next, log_prob, cond, loss_fn)
+            s.call = None
+        if s.mode == "accumulators" and step == self.config.num_steps - 1:
+            self._fold_finished(rows, x_next)
+
+    def _provisional_backward(self, call, x, x_next, log_prob, cond, loss_fn) -> None:
+        from ..trainers.grpo import MicroStep
+
+        s, b = self.state, len(call.rows)
+        positions = [p for p in self.trained_at(call.step, call.rows).nonzero().flatten().tolist()
+                     if int(call.rows[p]) in s.window]
+        cot_policy = torch.zeros_like(call.output)
+        cot_free = torch.zeros_like(call.output)
+        sigmas = self.sigmas
+        for p in positions:
+            row = call.rows[p:p + 1].to(x.device)
+            call.leaf_rows = torch.arange(self.segments, device=x.device) * b + p
+            values = []
+            for a in (0.0, 1.0):
+                call.leaf = None
+                micro = MicroStep(rows=row, steps=torch.full_like(row, call.step), x=x[p:p + 1],
+                                  prev_sample=x_next[p:p + 1], sigma=sigmas[call.step].expand(1),
+                                  sigma_next=sigmas[call.step + 1].expand(1), cond=cond.index(torch.tensor([p], device=x.device)),
+                                  log_prob_old=log_prob[p:p + 1], advantages=torch.full((1,), a, dtype=x.dtype))
+                loss, info = loss_fn(micro)
+                grad = (torch.autograd.grad(loss, call.leaf, allow_unused=True, materialize_grads=True)[0]
+                        if call.leaf is not None and loss.requires_grad else None)
+                values.append((float(loss.detach()), {k: float(v) for k, v in info.items()}, grad))
+            (loss0, info0, grad0), (loss1, info1, grad1) = values
+            if grad0 is not None:
+                cot_free[call.leaf_rows] = grad0
+                cot_policy[call.leaf_rows] = grad1 - grad0
+            s.steps_done[(int(call.rows[p]), call.step)] = (loss0, loss1, info0, info1)
+        call.leaf_rows = call.leaf = None
+        has_free = bool(cot_free.any())
+        policy = self.per_sample.gradients(call.output, cot_policy.to(call.output.dtype), b, retain_graph=has_free)
+        free = self.per_sample.gradients(call.output, cot_free.to(call.output.dtype), b) if has_free else None
+        for p in positions:
+            sample = int(call.rows[p])
+            self._add(s.policy, sample, [g[p] for g in policy])
+            if free is not None:
+                self._add(s.free, sample, [g[p] for g in free])
+
+    def _add(self, store: dict, key, grads: list[torch.Tensor]) -> None:
+        if key in store:
+            for buf, g in zip(store[key], grads):
+                buf += g
+        else:
+            store[key] = [g.clone() for g in grads]
+            self._count(+1)
+
+    def _count(self, delta: int) -> None:
+        s = self.state
+        s.buffer_bytes += delta * self._buffer_size
+        s.peak_buffer_bytes = max(s.peak_buffer_bytes, s.buffer_bytes)
+        s.peak_buffers = max(s.peak_buffers, s.buffer_bytes // max(self._buffer_size, 1))
+
+    def _fold_finished(self, rows: torch.Tensor, final: torch.Tensor) -> None:
+        """Score the samples that just finished and fold their buffers into their group's moments."""
+        s, g = self.state, self.config.group_size
+        rows = rows.cpu().tolist()
+        rewards = torch.as_tensor(self.reward_fn(final.float(), [s.prompts[r] for r in rows])).double()
+        for sample, reward in zip(rows, rewards.tolist()):
+            s.early_rewards[sample] = reward
+            if sample not in s.policy:
+                continue
+            policy, free = s.policy.pop(sample), s.free.pop(sample, None)
+            group = s.groups.get(sample // g)
+            if group is None:
+                group = s.groups[sample // g] = GroupMoments(
+                    reward, [torch.zeros_like(t) for t in policy], [torch.zeros_like(t) for t in policy],
+                    [torch.zeros_like(t) for t in policy] if free is not None else None)
+                self._count(+2 + (free is not None))
+            for c, p_, t in zip(group.centred, group.plain, policy):
+                c.add_(t, alpha=reward - group.offset)
+                p_.add_(t)
+            if free is not None:
+                if group.free is None:
+                    group.free = [torch.zeros_like(t) for t in free]
+                    self._count(+1)
+                for h, t in zip(group.free, free):
+                    h.add_(t)
+            self._count(-1 - (free is not None))
+
+    # ------------------------------------------------------------------------------------------- update
+
+    def begin_update(self, rollout, advantages) -> None:
+        s = self.state
+        s.advantages = advantages
+        if not s.steps_done:
+            s.usable, s.unusable_reason = False, "the rollout backpropagated nothing"
+        elif s.mode == "accumulators":
+            s.unusable_reason = self._accumulator_refusal(rollout.rewards, advantages) or ""
+            s.usable = not s.unusable_reason
+        else:
+            s.usable, s.unusable_reason = True, ""
+        if not s.usable:  # the buffers cannot give the native gradient: free them, the update recomputes
+            s.policy.clear(), s.free.clear(), s.groups.clear()
+
+    def _accumulator_refusal(self, rewards, advantages) -> str | None:
+        cfg, s = self.config, self.state
+        early = torch.tensor([s.early_rewards[i] for i in range(len(rewards))], dtype=torch.float64)
+        tolerance = 4 * torch.finfo(advantages.dtype).eps * float(early.abs().max().clamp(min=1))
+        if float((early - rewards.double().cpu()).abs().max()) > tolerance:
+            return "reward_fn scores a sample differently alone than in the full batch"
+        kept = int((advantages != 0).sum()) if cfg.drop_zero_advantages else len(advantages)
+        tbs, ga = cfg.train_batch_size, cfg.gradient_accumulation_steps
+        if kept > ga * tbs:
+            return f"{kept} kept samples do not fit the first optimizer step ({ga} x {tbs})"
+        if kept > tbs and kept % tbs:
+            return f"{kept} kept samples make micro-batches of unequal size ({tbs})"
+        if s.groups and any(m.free is not None for m in s.groups.values()) and cfg.drop_zero_advantages:
+            zero = (advantages == 0).reshape(-1, cfg.group_size)
+            if bool((zero.any(1) & ~zero.all(1)).any()):
+                return "a sample with advantage 0 in a group with spread: its advantage-free terms are dropped"
+        return None
+
+    def micro_step_loss(self, micro, loss_fn):
+        s = self.state
+        refusal = self.window_refusal() or (None if s.usable else s.unusable_reason)
+        if refusal is None:
+            missing = [(r, t) for r, t in zip(micro.rows.tolist(), micro.steps.tolist()) if (r, t) not in s.steps_done]
+            if missing:
+                refusal = f"rows/steps {missing[:3]} were not backpropagated by the rollout"
+        if refusal is not None:
+            self.record("recompute", refusal)
+            return loss_fn(micro)
+        self.record("reweight", "provisional gradient from the rollout, scaled by the advantage at the correction")
+        rows, adv = micro.rows.tolist(), micro.advantages.detach().double().cpu().tolist()
+        done = [s.steps_done[(r, t)] for r, t in zip(rows, micro.steps.tolist())]
+        loss = sum(l0 + a * (l1 - l0) for (l0, l1, _, _), a in zip(done, adv)) / len(rows)
+        info = {k: torch.tensor(sum(i0[k] + a * (i1[k] - i0[k]) for (_, _, i0, i1), a in zip(done, adv)) / len(rows))
+                for k in done[0][2]}
+        sink = []
+        for r in rows:
+            s.weights.setdefault(r, []).append((sink, len(rows)))
+        anchor = torch.zeros((), requires_grad=True)
+        return _LossWeight.apply(torch.tensor(loss, dtype=micro.x.dtype), anchor, sink), info
+
+    def before_optimizer_step(self) -> None:
+        s = self.state
+        if s.window_open and s.weights:
+            grads = self._correction()
+            for p, g in zip(self.trainable, grads):
+                p.grad = g if p.grad is None else p.grad + g
+        s.policy.clear(), s.free.clear(), s.groups.clear(), s.weights.clear()
+        s.buffer_bytes = 0
+        super().before_optimizer_step()
+
+    def _sample_weights(self) -> dict[int, float]:
+        """Each reweighted sample's weight ``w / |micro-batch|``; its trained steps must share it (they do in
+        the native update, which scales every micro-step alike)."""
+        out = {}
+        for sample, sinks in self.state.weights.items():
+            weights = [w / size for sink, size in sinks for w in sink]
+            if max(weights) - min(weights) > 1e-12 * max(abs(w) for w in weights):
+                raise RuntimeError("leancompile: the trainer weights one sample's micro-steps differently; "
+                                   "Reweight needs one weight per sample; use schedule='retain'")
+            out[sample] = weights[0]
+        return out
+
+    def _correction(self) -> list[torch.Tensor]:
+        s, cfg = self.state, self.config
+        weights = self._sample_weights()
+        adv = s.advantages.detach().cpu().double()
+        if s.mode == "per-sample":
+            samples = sorted(weights)
+            w = torch.tensor([weights[i] for i in samples], dtype=torch.float64)
+            policy = [torch.stack([s.policy[i][j] for i in samples]) for j in range(len(self.trainable))]
+            free = ([torch.stack([s.free[i][j] for i in samples]) for j in range(len(self.trainable))]
+                    if s.free else None)
+            return self.correction.per_sample(w * adv[samples], w, policy, free)
+        c = set(weights.values())
+        kept = set((adv != 0).nonzero().flatten().tolist()) if cfg.drop_zero_advantages else set(range(len(adv)))
+        if len(c) != 1 or set(weights) != kept:
+            raise RuntimeError("leancompile: moment accumulators need every kept sample reweighted with one weight")
+        c = c.pop()
+        rewards = torch.tensor([s.early_rewards[i] for i in range(len(adv))], dtype=torch.float64)
+        mean, std = group_statistics(rewards, cfg.group_size, unbiased=cfg.adv_unbiased, global_std=cfg.global_std)
+        groups = sorted(s.groups)
+        moments = [s.groups[g] for g in groups]
+        scale = torch.tensor([c / (float(std[g]) + cfg.adv_eps) for g in groups], dtype=torch.float64)
+        shift = torch.tensor([float(mean[g]) - m.offset for g in groups for m in [s.groups[g]]], dtype=torch.float64)
+        trained = torch.tensor([c if all(i in weights for i in range(g * cfg.group_size, (g + 1) * cfg.group_size))
+                                else 0.0 for g in groups], dtype=torch.float64)
+        stack = lambda attr: [torch.stack([getattr(m, attr)[j] for m in moments]) for j in range(len(self.trainable))]
+        free = stack("free") if moments[0].free is not None else None
+        return self.correction.moments(scale, shift, trained, stack("centred"), stack("plain"), free)
