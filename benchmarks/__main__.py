@@ -1,4 +1,5 @@
-"""``python -m benchmarks [--full] [--out DIR]``: Retain against the native program on tiny Flux, SD3 and Wan."""
+"""``python -m benchmarks [--full] [--out DIR]``: Retain and Reweight against the native program on tiny Flux, SD3
+and Wan."""
 from __future__ import annotations
 
 import argparse
@@ -10,6 +11,8 @@ import torch
 
 from .cases import FAMILIES, TRAINERS, cases
 from .measure import measure_case
+
+SCHEDULES = ("retain", "reweight")
 from .report import machine_line, markdown_table, write_results
 
 QUICK_REPETITIONS = 9
@@ -24,6 +27,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help=f"timed steps per program (default {QUICK_REPETITIONS}, {FULL_REPETITIONS} with --full)")
     parser.add_argument("--backbones", nargs="+", choices=FAMILIES, default=list(FAMILIES))
     parser.add_argument("--trainers", nargs="+", choices=TRAINERS, default=list(TRAINERS))
+    parser.add_argument("--schedules", nargs="+", choices=SCHEDULES, default=list(SCHEDULES))
     args = parser.parse_args(argv)
     if args.repetitions is not None and args.repetitions < 1:
         parser.error(f"--repetitions must be >= 1; got {args.repetitions}")
@@ -31,7 +35,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def progress(row: dict, seconds: float) -> str:
-    return (f"{row['backbone']}/{row['trainer']}: speedup {row['speedup']:.2f}x, ideal {row['ideal_speedup']:.2f}x, "
+    return (f"{row['backbone']}/{row['trainer']}/{row['schedule']}: speedup {row['speedup']:.2f}x, ideal {row['ideal_speedup']:.2f}x, "
             f"ratio {row['ratio']:.2f} ({seconds:.0f} s)")
 
 
@@ -43,8 +47,10 @@ def main(argv=None) -> int:
     start, rows = time.perf_counter(), []
     for case in cases(full=args.full, families=args.backbones, trainers=args.trainers):
         case_start = time.perf_counter()
-        rows.append(measure_case(case, repetitions))
-        print(progress(rows[-1], time.perf_counter() - case_start), file=sys.stderr, flush=True)
+        case_rows = measure_case(case, repetitions, tuple(args.schedules))
+        rows += case_rows
+        for row in case_rows:
+            print(progress(row, time.perf_counter() - case_start), file=sys.stderr, flush=True)
     machine = machine_line()
     json_path, md_path = write_results(rows, args.out, machine)
     print(markdown_table(rows))

@@ -49,9 +49,9 @@ def trainer_config(trainer: str, num_samples: int, seed: int = 0) -> GRPOConfig:
         return FlowGRPOConfig(num_steps=NUM_STEPS, timestep_fraction=0.99, guidance_scale=1.0, group_size=GROUP_SIZE,
                               train_batch_size=num_samples // 2, gradient_accumulation_steps=2, seed=seed)
     if trainer == "dancegrpo":
-        # DanceGRPO's own defaults otherwise: random steps per sample, micro-batch 1, and gradient checkpointing,
-        # which the native run pays for and Retain (which keeps activations instead) does not.
-        return DanceGRPOConfig(num_steps=NUM_STEPS, group_size=GROUP_SIZE, train_batch_size=1,
+        # DanceGRPO's own defaults otherwise: random steps per sample, micro-batch 1 in the rollout and the update,
+        # and gradient checkpointing, which the native update pays for and the optimized schedules do not.
+        return DanceGRPOConfig(num_steps=NUM_STEPS, group_size=GROUP_SIZE, train_batch_size=1, sample_batch_size=1,
                                gradient_accumulation_steps=num_samples, seed=seed)
     raise ValueError(f"trainer must be one of {TRAINERS}; got {trainer!r}")
 

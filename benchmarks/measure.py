@@ -1,4 +1,4 @@
-"""Measure one case: interleaved step times, FLOPs per step, retained bytes and weight agreement."""
+"""Measure one case: interleaved step times, FLOPs per step, held bytes and weight agreement per schedule."""
 from __future__ import annotations
 
 import gc
@@ -27,13 +27,14 @@ def build_trainer(case: Case):
     return _TRAINERS[case.trainer](case.config, backbone, reward, RandomPrompts(backbone, NUM_PROMPTS, seed=case.seed))
 
 
-def build_pair(case: Case):
-    """The untransformed program and the Retain rewrite, each owning its own copy of the same model."""
-    native = leancompile.optimize(build_trainer(case), schedule="native")
-    retain = leancompile.optimize(build_trainer(case), schedule="retain")
-    if retain.plan.schedule != "retain":
-        raise RuntimeError(f"{case.name}: optimize did not choose retain:\n{retain.plan}")
-    return native, retain
+def build_programs(case: Case, schedules: tuple[str, ...]) -> dict:
+    """The untransformed program and each optimized schedule, each owning its own copy of the same model."""
+    programs = {"native": leancompile.optimize(build_trainer(case), schedule="native")}
+    for schedule in schedules:
+        programs[schedule] = leancompile.optimize(build_trainer(case), schedule=schedule)
+        if programs[schedule].plan.schedule != schedule:
+            raise RuntimeError(f"{case.name}: optimize did not run {schedule}:\n{programs[schedule].plan}")
+    return programs
 
 
 @dataclass
@@ -50,14 +51,15 @@ def timed_step(trainer, prompts) -> tuple[Timing, dict]:
     return Timing(time.perf_counter() - wall, time.process_time() - cpu), stats
 
 
-def interleaved_times(native, retain, prompts, repetitions: int) -> tuple[list[Timing], list[Timing], dict]:
-    """A/B alternation, so that load from other processes hits both programs alike."""
-    native_times, retain_times, stats = [], [], {}
+def interleaved_times(programs: dict, prompts, repetitions: int) -> tuple[dict, dict]:
+    """Round-robin alternation, so that load from other processes hits every program alike."""
+    times = {name: [] for name in programs}
+    stats = {}
     for _ in range(repetitions):
-        native_times.append(timed_step(native, prompts)[0])
-        timing, stats = timed_step(retain, prompts)
-        retain_times.append(timing)
-    return native_times, retain_times, stats
+        for name, trainer in programs.items():
+            timing, stats[name] = timed_step(trainer, prompts)
+            times[name].append(timing)
+    return times, stats
 
 
 def median(timings: list[Timing], kind: str) -> float:
@@ -104,41 +106,49 @@ def max_rel_weight_diff(a, b) -> float:
     return worst
 
 
-def timing_fields(native_times: list[Timing], retain_times: list[Timing]) -> dict:
-    native, retain = median(native_times, "wall"), median(retain_times, "wall")
-    native_cpu, retain_cpu = median(native_times, "cpu"), median(retain_times, "cpu")
+def timing_fields(native_times: list[Timing], optimized_times: list[Timing]) -> dict:
+    native, optimized = median(native_times, "wall"), median(optimized_times, "wall")
+    native_cpu, optimized_cpu = median(native_times, "cpu"), median(optimized_times, "cpu")
     return {
-        "speedup": native / retain,
+        "speedup": native / optimized,
         "native_seconds": native,
-        "optimized_seconds": retain,
-        "cpu_speedup": native_cpu / retain_cpu,
+        "optimized_seconds": optimized,
+        "cpu_speedup": native_cpu / optimized_cpu,
         "native_cpu_seconds": native_cpu,
-        "optimized_cpu_seconds": retain_cpu,
+        "optimized_cpu_seconds": optimized_cpu,
         "native_times": [t.wall for t in native_times],
-        "optimized_times": [t.wall for t in retain_times],
+        "optimized_times": [t.wall for t in optimized_times],
     }
 
 
-def measure_case(case: Case, repetitions: int) -> dict:
-    """One row of the results. Both trainers run the same sequence of steps (warm-up, timed, FLOP-counted), so
-    their weights must agree at the end."""
-    native, retain = build_pair(case)
+def measure_case(case: Case, repetitions: int, schedules: tuple[str, ...] = ("retain", "reweight")) -> list[dict]:
+    """One row per schedule. Every program runs the same sequence of steps (warm-up, timed, FLOP-counted), so
+    their weights must agree with the native program's at the end."""
+    programs = build_programs(case, schedules)
     prompts = list(case.prompts)
-    timed_step(native, prompts)
-    timed_step(retain, prompts)  # compiles the partitioned backbone
-    native_times, retain_times, stats = interleaved_times(native, retain, prompts, repetitions)
-    native_flops, retain_flops = step_flops(native, prompts), step_flops(retain, prompts)
-    row = {"backbone": case.backbone, "trainer": case.trainer, "schedule": "retain",
-           **timing_fields(native_times, retain_times),
-           "ideal_speedup": native_flops / retain_flops,
-           "native_flops": native_flops,
-           "optimized_flops": retain_flops,
-           "retained_bytes": stats["retained_bytes"],
-           "reused_micro_steps": stats["reused_micro_steps"],
-           "recomputed_micro_steps": stats["recomputed_micro_steps"],
-           "repetitions": repetitions,
-           "max_rel_weight_diff": max_rel_weight_diff(native, retain),
-           "parameters": sum(p.numel() for p in native.backbone.parameters()),
-           "sizes": dict(case.sizes)}
-    row["ratio"] = row["speedup"] / row["ideal_speedup"]
-    return row
+    for trainer in programs.values():
+        timed_step(trainer, prompts)  # compiles the partitioned backbone, traces the correction
+    times, stats = interleaved_times(programs, prompts, repetitions)
+    flops = {name: step_flops(trainer, prompts) for name, trainer in programs.items()}
+    native = programs["native"]
+    rows = []
+    for schedule in schedules:
+        optimized, s = programs[schedule], stats[schedule]
+        row = {"backbone": case.backbone, "trainer": case.trainer, "schedule": schedule,
+               **timing_fields(times["native"], times[schedule]),
+               "ideal_speedup": flops["native"] / flops[schedule],
+               "native_flops": flops["native"],
+               "optimized_flops": flops[schedule],
+               # what the schedule holds from the rollout to the update: activations (retain), gradient buffers and
+               # the backbone's kept inputs and outputs (reweight)
+               "held_bytes": s.get("retained_bytes", s.get("buffer_bytes", 0) + s.get("kept_output_bytes", 0)),
+               "buffer_mode": s.get("buffer_mode", "-"),
+               "reused_micro_steps": s["reused_micro_steps"],
+               "recomputed_micro_steps": s["recomputed_micro_steps"],
+               "repetitions": repetitions,
+               "max_rel_weight_diff": max_rel_weight_diff(native, optimized),
+               "parameters": sum(p.numel() for p in native.backbone.parameters()),
+               "sizes": dict(case.sizes)}
+        row["ratio"] = row["speedup"] / row["ideal_speedup"]
+        rows.append(row)
+    return rows

@@ -11,13 +11,15 @@ import torch
 _COLUMNS = (
     ("backbone", "backbone", "{}"),
     ("trainer", "trainer", "{}"),
+    ("schedule", "schedule", "{}"),
     ("native s", "native_seconds", "{:.3f}"),
-    ("retain s", "optimized_seconds", "{:.3f}"),
+    ("optimized s", "optimized_seconds", "{:.3f}"),
     ("speedup", "speedup", "{:.2f}x"),
     ("ideal (FLOPs)", "ideal_speedup", "{:.2f}x"),
     ("measured/ideal", "ratio", "{:.2f}"),
     ("CPU-time speedup", "cpu_speedup", "{:.2f}x"),
-    ("retained MiB", "retained_bytes", "{:.1f}"),
+    ("held MiB", "held_bytes", "{:.2f}"),
+    ("buffers", "buffer_mode", "{}"),
     ("max rel weight diff", "max_rel_weight_diff", "{:.1e}"),
     ("reps", "repetitions", "{}"),
 )
@@ -30,7 +32,7 @@ def machine_line() -> str:
 
 def _cell(row: dict, key: str, fmt: str) -> str:
     value = row[key]
-    return fmt.format(value / 2**20 if key == "retained_bytes" else value)
+    return fmt.format(value / 2**20 if key == "held_bytes" else value)
 
 
 def markdown_table(rows: list[dict]) -> str:
@@ -42,8 +44,10 @@ def markdown_table(rows: list[dict]) -> str:
 
 def results_markdown(rows: list[dict], machine: str) -> str:
     return (f"{markdown_table(rows)}\n\n"
-            "speedup = median native step / median retain step (wall clock, interleaved); ideal = FLOPs of a native "
-            "step / FLOPs of a retain step; CPU-time speedup uses this process's CPU time instead of wall clock.\n\n"
+            "speedup = median native step / median optimized step (wall clock, interleaved round-robin); ideal = FLOPs "
+            "of a native step / FLOPs of an optimized step; CPU-time speedup uses this process's CPU time instead of "
+            "wall clock; held = what the schedule keeps from the rollout to the update (retain: saved activations, "
+            "reweight: gradient buffers).\n\n"
             f"{machine}\n")
 
 

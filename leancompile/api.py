@@ -9,7 +9,7 @@ from .optimized import optimized_class
 from .plan import Plan, StepAction
 from .protocol import check_protocol
 from .runtime.retain import RetainRuntime
-from .runtime.per_sample import PerSampleGradients
+from .runtime.per_sample import trainable_linear_layers
 from .runtime.reweight import ReweightRuntime
 
 SCHEDULES = ("auto", "retain", "reweight", "native")
@@ -86,13 +86,13 @@ def _compile(trainer, programs, requested: str, memory_budget, strict: bool):
         reason = "reuse refused: " + "; ".join(validity.reasons)
         return _native_plan(config, requested, description, reason, findings), graphs, None
     linearity = passes.check_linearity(programs.update)
-    per_sample = PerSampleGradients(trainer.backbone, trainer.trainable)
-    use_reweight, choice = _choose_reweight(requested, config, linearity, per_sample, shared.cast_only)
+    linear = trainable_linear_layers(trainer.backbone, trainer.trainable)[1]
+    use_reweight, choice = _choose_reweight(requested, config, linearity, linear, shared.cast_only)
     if use_reweight:
         provisional = passes.capture_provisional(trainer)
         graphs = {"rollout": provisional, "update": programs.update, "rollout_traced": programs.rollout}
         accumulate = functools.partial(_accumulators, config, bool(linearity.advantage_free))
-        runtime = ReweightRuntime(trainer, shared.layout.segments, accumulate)
+        runtime = ReweightRuntime(trainer, shared.layout.segments, accumulate, bool(linearity.advantage_free))
         plan = Plan("reweight", requested, _steps(config, "reweight"), _reuse_window(config), description,
                     "nothing", findings, _describe_linearity(linearity), _describe_buffers(config), choice)
         return plan, graphs, runtime
@@ -109,7 +109,7 @@ def _compile(trainer, programs, requested: str, memory_budget, strict: bool):
     return plan, graphs, runtime
 
 
-def _choose_reweight(requested: str, config, linearity, per_sample, cast_only: bool) -> tuple[bool, str]:
+def _choose_reweight(requested: str, config, linearity, linear: bool, cast_only: bool) -> tuple[bool, str]:
     """Whether Reweight runs, and why (or why Retain does)."""
     if requested == "retain":
         return False, "schedule='retain' requested"
@@ -127,7 +127,7 @@ def _choose_reweight(requested: str, config, linearity, per_sample, cast_only: b
     if linearity.advantage_free:
         return False, (f"auto: the advantage-free terms ({', '.join(linearity.advantage_free)}) need a second "
                        "backward per trained step in the rollout; Retain needs one")
-    if config.sample_batch_size != 1 and not per_sample.linear_covers_all:
+    if config.sample_batch_size != 1 and not linear:
         return False, ("auto: per-sample gradients of these parameters (not all nn.Linear) cost one backward per "
                        "sample of a rollout micro-batch; Retain needs one per micro-batch")
     return True, ("auto: one backward per trained step in the rollout, then gradient buffers of the trainable "

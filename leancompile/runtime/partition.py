@@ -52,9 +52,11 @@ def without_checkpointing(model):
 class PartitionedBackbone:
     """``backbone(x, sigma, cond)`` through AOTAutograd's joint graph and min-cut partition."""
 
-    def __init__(self, backbone, memory_budget: float = 1.0):
+    def __init__(self, backbone, memory_budget: float = 1.0, backward_pass=None):
         self.backbone = backbone
         self.memory_budget = memory_budget
+        # ``backward_pass(gm, rows)`` may rewrite each backward graph before it runs (it knows the batch's rows).
+        self.backward_pass = backward_pass
         self._compiled = {}
         # Looked up once: walking the modules on every call costs milliseconds per step.
         self._params = dict(backbone.named_parameters())
@@ -71,7 +73,7 @@ class PartitionedBackbone:
         return (tuple(x.shape), x.dtype, tuple(sigma.shape), tuple(cond.text.shape), cond.text.dtype, pooled,
                 autocast, tuple(m.disable_adapters for m in self._lora_layers))
 
-    def _compile(self):
+    def _compile(self, rows: int):
         backbone = self.backbone
 
         def forward(params, buffers, x, sigma, text, pooled):
@@ -83,6 +85,8 @@ class PartitionedBackbone:
             return make_boxed_func(gm)
 
         def keep_backward(gm, _):
+            if self.backward_pass is not None:
+                gm = self.backward_pass(gm, rows)
             self.backward_graph = gm
             return make_boxed_func(gm)
 
@@ -93,7 +97,7 @@ class PartitionedBackbone:
         key = self._signature(x, sigma, cond)
         compiling = key not in self._compiled
         if compiling:
-            self._compiled[key] = self._compile()
+            self._compiled[key] = self._compile(x.shape[0])
         # aot_function traces and partitions on its first call: the budget only matters then.
         budget = (functorch_config.patch(activation_memory_budget=self.memory_budget) if compiling
                   else contextlib.nullcontext())

@@ -3,16 +3,17 @@ advantage, into per-sample gradient buffers; once the advantages are known, the 
 buffers into the weights' gradients, and the update skips those micro-steps.
 
 At ratio 1 the loss of one row is affine in its advantage (the linearity pass proves it):
-``loss_i(A) = A * P_i + F_i``, ``F_i`` the advantage-free terms (e.g. the KL penalty). For each trained row the
-rollout evaluates the trainer's own loss head at ``A = 1`` and ``A = 0`` on the step's output (a leaf, no second
-backbone forward), which gives the cotangents of ``P_i`` and ``F_i`` on the backbone's output; one backward of the
-batched call (two with advantage-free terms) gives every sample's ``dP_i`` and ``dF_i``
-(:mod:`leancompile.runtime.per_sample`), summed over the sample's trained steps into its buffers.
+``loss_i(A) = A * P_i + F_i``, ``F_i`` the advantage-free terms (e.g. the KL penalty). After each trained step the
+rollout evaluates the trainer's own loss head on the step's output (a leaf: no second backbone forward) for the
+rows that train it, at ``A = 1`` (and at ``A = 0`` when there are advantage-free terms), which gives the
+cotangents of ``P_i`` and ``F_i`` on the backbone's output; one backward of the batched call (two with
+advantage-free terms) gives every sample's ``dP_i`` and ``dF_i`` (:mod:`leancompile.runtime.per_sample`), summed
+over the sample's trained steps into its buffers. The call's output values are kept (a latent per row and step).
 
-A micro-step of the update before the first optimizer step whose rows all have buffers is not run: it returns the
-loss value ``mean_i(A_i P_i + F_i)`` and the weight ``w`` the trainer's backward gives it (it scales the loss by
-``1 / (accumulation x trained steps)``) is read off its backward. The correction then adds
-``sum_i w_i (A_i dP_i + dF_i)``, ``w_i = w / |micro-batch|``, to the gradients before that optimizer step.
+A micro-step of the update before the first optimizer step whose rows all have buffers runs only its loss head,
+without grad, on the kept outputs (its loss and statistics are the native ones); the weight ``w`` the trainer's
+backward gives the loss (``1 / (accumulation x trained steps)``) is read off that backward. The correction then
+adds ``sum_i w_i (A_i dP_i + dF_i)``, ``w_i = w / |micro-batch|``, to the gradients before that optimizer step.
 
 With moment accumulators (:mod:`leancompile.passes.moments`) a finished sample is scored at once and its buffers
 fold into per-group sums ``sum (r_i - r0) dP_i``, ``sum dP_i`` and ``sum dF_i`` (``r0``: the group's first reward,
@@ -27,7 +28,6 @@ import torch
 from ..trainers.advantages import group_statistics
 from .base import Runtime, StepState
 from .correction import Correction
-from .partition import without_checkpointing
 from .per_sample import PerSampleGradients
 
 
@@ -58,7 +58,7 @@ class ReweightState(StepState):
     prompts: list = field(default_factory=list)
     window: set = field(default_factory=set)  # samples whose trained steps the rollout backpropagates
     call: ProvisionalCall | None = None
-    steps_done: dict = field(default_factory=dict)  # (sample, step) -> (loss at A=0, at A=1, info at 0, info at 1)
+    kept: dict = field(default_factory=dict)  # (sample, step) -> (backbone inputs, outputs) of the sample's rows
     policy: dict = field(default_factory=dict)  # sample -> [dP_i per parameter]
     free: dict = field(default_factory=dict)  # sample -> [dF_i per parameter]
     groups: dict = field(default_factory=dict)  # group -> GroupMoments
@@ -68,6 +68,7 @@ class ReweightState(StepState):
     unusable_reason: str = "the rollout backpropagated nothing"
     weights: dict = field(default_factory=dict)  # sample -> [w / |micro-batch| of each skipped micro-step]
     buffer_bytes: int = 0
+    kept_bytes: int = 0  # the kept backbone inputs and outputs, read by the reweighted micro-steps' loss heads
     peak_buffer_bytes: int = 0
     peak_buffers: int = 0
 
@@ -93,7 +94,7 @@ class ReweightRuntime(Runtime):
     action = "reweight"
     state_class = ReweightState
 
-    def __init__(self, trainer, segments: int, accumulate):
+    def __init__(self, trainer, segments: int, accumulate, advantage_free: bool):
         super().__init__(trainer.trainable)
         self.config = trainer.config
         self.reward_fn = trainer.reward_fn
@@ -102,6 +103,8 @@ class ReweightRuntime(Runtime):
         self.sigmas = trainer.sigmas
         self.segments = segments
         self.accumulate = accumulate
+        self.advantage_free = advantage_free  # the loss has advantage-free terms: a second cotangent
+        self._serving = None  # the update micro-step whose loss head reads the kept outputs
         self.per_sample = PerSampleGradients(trainer.backbone, trainer.trainable)
         self.correction = Correction(trainer.trainable)
         self._buffer_size = sum(p.numel() * p.element_size() for p in trainer.trainable)
@@ -109,7 +112,7 @@ class ReweightRuntime(Runtime):
     def end_step(self) -> dict:
         s = self.state
         stats = {**super().end_step(), "buffer_bytes": s.peak_buffer_bytes, "buffers": s.peak_buffers,
-                 "buffer_mode": s.mode}
+                 "buffer_mode": s.mode, "kept_output_bytes": s.kept_bytes}
         self.state = self.state_class()  # nothing outlives its GRPO step
         return stats
 
@@ -134,9 +137,8 @@ class ReweightRuntime(Runtime):
 
         def call(x, sigma, cond):
             self.remember_weights()
-            with torch.enable_grad(), without_checkpointing(self.backbone.model), \
-                    self.per_sample.recording(x.shape[0]):
-                output = self.backbone(x, sigma, cond)
+            with torch.enable_grad():
+                output = self.per_sample.forward(x, sigma, cond)
             s.call = ProvisionalCall(step, rows.cpu(), x.detach(), output)
             return output.detach()
 
@@ -144,6 +146,8 @@ class ReweightRuntime(Runtime):
 
     def train_call(self, micro):
         call = self.state.call
+        if self._serving is micro:
+            return self._kept_call(micro)
         if call is None or call.leaf_rows is None:
             return None
 
@@ -156,6 +160,19 @@ class ReweightRuntime(Runtime):
             return call.leaf
 
         return leaf
+
+    def _kept_call(self, micro):
+        """The backbone's answer for ``micro``'s rows, from the values the rollout kept."""
+        kept = [self.state.kept[(r, t)] for r, t in zip(micro.rows.tolist(), micro.steps.tolist())]
+
+        def call(x, sigma, cond):
+            inputs = torch.cat([torch.stack([k[0][s] for k in kept]) for s in range(self.segments)])
+            if not torch.equal(inputs, x):
+                raise RuntimeError("leancompile: a reweighted micro-step's backbone input differs from the "
+                                   "rollout's; the rows/steps mapping is wrong (please report this)")
+            return torch.cat([torch.stack([k[1][s] for k in kept]) for s in range(self.segments)])
+
+        return call
 
     def after_rollout_step(self, step, rows, x, x_next, log_prob, cond, loss_fn) -> None:
         s, call = self.state, self.state.call
@@ -172,29 +189,33 @@ class ReweightRuntime(Runtime):
         positions = [p for p in self.trained_at(call.step, call.rows).nonzero().flatten().tolist()
                      if int(call.rows[p]) in s.window]
         cot_policy = torch.zeros_like(call.output)
-        cot_free = torch.zeros_like(call.output)
+        cot_free = torch.zeros_like(call.output) if self.advantage_free else None
         sigmas = self.sigmas
-        for p in positions:
-            row = call.rows[p:p + 1].to(x.device)
-            call.leaf_rows = torch.arange(self.segments, device=x.device) * b + p
-            values = []
-            for a in (0.0, 1.0):
+        if positions:
+            at = torch.tensor(positions, device=x.device)
+            call.leaf_rows = (torch.arange(self.segments, device=x.device)[:, None] * b + at).flatten()
+            grads = []
+            for a in ((1.0, 0.0) if self.advantage_free else (1.0,)):
                 call.leaf = None
-                micro = MicroStep(rows=row, steps=torch.full_like(row, call.step), x=x[p:p + 1],
-                                  prev_sample=x_next[p:p + 1], sigma=sigmas[call.step].expand(1),
-                                  sigma_next=sigmas[call.step + 1].expand(1), cond=cond.index(torch.tensor([p], device=x.device)),
-                                  log_prob_old=log_prob[p:p + 1], advantages=torch.full((1,), a, dtype=x.dtype))
-                loss, info = loss_fn(micro)
-                grad = (torch.autograd.grad(loss, call.leaf, allow_unused=True, materialize_grads=True)[0]
-                        if call.leaf is not None and loss.requires_grad else None)
-                values.append((float(loss.detach()), {k: float(v) for k, v in info.items()}, grad))
-            (loss0, info0, grad0), (loss1, info1, grad1) = values
-            if grad0 is not None:
-                cot_free[call.leaf_rows] = grad0
-                cot_policy[call.leaf_rows] = grad1 - grad0
-            s.steps_done[(int(call.rows[p]), call.step)] = (loss0, loss1, info0, info1)
-        call.leaf_rows = call.leaf = None
-        has_free = bool(cot_free.any())
+                micro = MicroStep(rows=call.rows[positions].to(x.device), steps=torch.full_like(at, call.step),
+                                  x=x[at], prev_sample=x_next[at], sigma=sigmas[call.step].expand(len(at)),
+                                  sigma_next=sigmas[call.step + 1].expand(len(at)), cond=cond.index(at),
+                                  log_prob_old=log_prob[at], advantages=torch.full((len(at),), a, dtype=x.dtype))
+                loss, _ = loss_fn(micro)
+                # The head's loss is the mean over its rows of per-row losses: undo the mean.
+                grads.append(len(at) * torch.autograd.grad(loss, call.leaf, allow_unused=True,
+                                                           materialize_grads=True)[0]
+                             if call.leaf is not None and loss.requires_grad else None)
+            if grads[0] is not None:
+                cot_policy[call.leaf_rows] = grads[0] - (grads[1] if len(grads) > 1 else 0)
+                if len(grads) > 1:
+                    cot_free[call.leaf_rows] = grads[1]
+            values = call.output.detach()
+            for p in positions:
+                rows = torch.arange(self.segments, device=x.device) * b + p
+                s.kept[(int(call.rows[p]), call.step)] = (call.inputs[rows], values[rows])
+                s.kept_bytes += 2 * values[rows].numel() * values.element_size()
+        has_free = cot_free is not None and bool(cot_free.any())
         policy = self.per_sample.gradients(call.output, cot_policy.to(call.output.dtype), b, retain_graph=has_free)
         free = self.per_sample.gradients(call.output, cot_free.to(call.output.dtype), b) if has_free else None
         for p in positions:
@@ -249,7 +270,7 @@ class ReweightRuntime(Runtime):
     def begin_update(self, rollout, advantages) -> None:
         s = self.state
         s.advantages = advantages
-        if not s.steps_done:
+        if not s.kept:
             s.usable, s.unusable_reason = False, "the rollout backpropagated nothing"
         elif s.mode == "accumulators":
             s.unusable_reason = self._accumulator_refusal(rollout.rewards, advantages) or ""
@@ -281,23 +302,24 @@ class ReweightRuntime(Runtime):
         s = self.state
         refusal = self.window_refusal() or (None if s.usable else s.unusable_reason)
         if refusal is None:
-            missing = [(r, t) for r, t in zip(micro.rows.tolist(), micro.steps.tolist()) if (r, t) not in s.steps_done]
+            missing = [(r, t) for r, t in zip(micro.rows.tolist(), micro.steps.tolist()) if (r, t) not in s.kept]
             if missing:
                 refusal = f"rows/steps {missing[:3]} were not backpropagated by the rollout"
         if refusal is not None:
             self.record("recompute", refusal)
             return loss_fn(micro)
         self.record("reweight", "provisional gradient from the rollout, scaled by the advantage at the correction")
-        rows, adv = micro.rows.tolist(), micro.advantages.detach().double().cpu().tolist()
-        done = [s.steps_done[(r, t)] for r, t in zip(rows, micro.steps.tolist())]
-        loss = sum(l0 + a * (l1 - l0) for (l0, l1, _, _), a in zip(done, adv)) / len(rows)
-        info = {k: torch.tensor(sum(i0[k] + a * (i1[k] - i0[k]) for (_, _, i0, i1), a in zip(done, adv)) / len(rows))
-                for k in done[0][2]}
+        self._serving = micro
+        try:
+            with torch.no_grad():
+                loss, info = loss_fn(micro)
+        finally:
+            self._serving = None
         sink = []
-        for r in rows:
-            s.weights.setdefault(r, []).append((sink, len(rows)))
+        for r in micro.rows.tolist():
+            s.weights.setdefault(r, []).append((sink, len(micro.rows)))
         anchor = torch.zeros((), requires_grad=True)
-        return _LossWeight.apply(torch.tensor(loss, dtype=micro.x.dtype), anchor, sink), info
+        return _LossWeight.apply(loss, anchor, sink), info
 
     def before_optimizer_step(self) -> None:
         s = self.state

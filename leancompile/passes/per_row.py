@@ -1,0 +1,90 @@
+"""Per-row weight gradients: let the backbone's backward graph also hand over each row's share of a weight's
+gradient, at the cost of the ordinary backward.
+
+A linear layer's weight gradient is one ``mm`` over all rows and tokens, ``G = D^T X`` with ``D`` and ``X`` of
+``rows x tokens`` rows each (batch-major, as ``F.linear`` flattens them). Split that contraction by row and it
+gives every row's own gradient: ``G_r = D_r^T X_r``, one ``bmm``. This pass finds, for each requested weight, the
+``mm`` its gradient output comes from (through transposes), inserts the ``bmm`` next to it and passes its result to
+:func:`deliver_per_row_gradient`; the graph's own outputs are unchanged.
+
+Before::
+
+    %mm = aten.mm(%t_d, %x)                       # (o, rows * tokens) @ (rows * tokens, i)
+    %t_1 = aten.t(%mm); %grad = aten.t(%t_1)      # output j
+
+After::
+
+    %mm = aten.mm(%t_d, %x)
+    %per_row_d_j = aten.permute(aten.reshape(%t_d, (o, rows, tokens)), (1, 0, 2))
+    %per_row_grad_j = aten.bmm(%per_row_d_j, aten.reshape(%x, (rows, tokens, i)))
+    deliver_per_row_gradient(token, j, %per_row_grad_j)
+"""
+from __future__ import annotations
+
+import weakref
+
+import torch
+import torch.fx as fx
+
+from .graph import op_name
+from .meta import REWRITE
+
+class PerRowGradients(dict):
+    """Weight index -> the per-row gradient the last backward delivered."""
+
+
+_SINKS: dict[int, weakref.ref] = {}  # token -> the PerRowGradients a rewritten graph delivers to
+
+
+def deliver_per_row_gradient(token: int, index: int, gradient: torch.Tensor) -> None:
+    _SINKS[token]()[index] = gradient
+
+
+def register_sink(sink: PerRowGradients) -> int:
+    """A token for graphs to deliver to ``sink``; the registry holds it weakly."""
+    token = len(_SINKS)
+    _SINKS[token] = weakref.ref(sink)
+    return token
+
+
+def split_weight_gradients_per_row(gm: fx.GraphModule, outputs: dict[int, int], rows: int, token: int) -> str | None:
+    """Rewrite ``gm`` so that for each ``output position -> weight index`` in ``outputs`` the per-row gradient
+    ``(rows, *weight.shape)`` is delivered to sink ``token``. Returns why not (and leaves ``gm`` alone), or None."""
+    graph = gm.graph
+    results = next(n for n in graph.nodes if n.op == "output").args[0]
+    found = {}
+    for position, index in outputs.items():
+        node, transposes = results[position], 0
+        while isinstance(node, fx.Node) and op_name(node) == "t.default":
+            node, transposes = node.args[0], transposes + 1
+        if not isinstance(node, fx.Node) or op_name(node) != "mm.default":
+            return f"the gradient of weight {index} is not one matrix product ({getattr(node, 'name', node)})"
+        left, right = node.args
+        contraction = left.meta["val"].shape[1]
+        if contraction % rows:
+            return f"the gradient of weight {index} contracts {contraction} rows, not a multiple of {rows}"
+        found[index] = (node, transposes, contraction // rows)
+    aten = torch.ops.aten
+    for index, (mm, transposes, tokens) in found.items():
+        left, right = mm.args
+        o, i = left.meta["val"].shape[0], right.meta["val"].shape[1]
+        with graph.inserting_after(mm):
+            d = graph.call_function(aten.reshape.default, (left, [o, rows, tokens]))
+        with graph.inserting_after(d):
+            d = graph.call_function(aten.permute.default, (d, [1, 0, 2]))
+        with graph.inserting_after(d):
+            x = graph.call_function(aten.reshape.default, (right, [rows, tokens, i]))
+        with graph.inserting_after(x):
+            grad = graph.call_function(aten.bmm.default, (d, x))
+        last = grad
+        if transposes % 2:
+            with graph.inserting_after(grad):
+                last = graph.call_function(aten.transpose.int, (grad, 1, 2))
+        with graph.inserting_after(last):
+            graph.call_function(deliver_per_row_gradient, (token, index, last))
+        grad.name = f"per_row_grad_{index}"
+        for node in (d, x, grad, last):
+            node.meta[REWRITE] = "inserted"
+    graph.lint()
+    gm.recompile()
+    return None
