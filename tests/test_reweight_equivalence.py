@@ -171,23 +171,27 @@ def test_a_batch_dependent_reward_makes_the_accumulators_recompute_and_stay_exac
     assert _relative(g_native[0], g_reweight[0]) <= 1e-10
 
 
-def test_per_sample_gradients_of_a_rollout_micro_batch_match_one_backward_per_sample():
+@pytest.mark.parametrize("lora, via, method", [(4, "forward", "rows"), (4, "recording", "linear"),
+                                              (None, "forward", "per-sample")])
+def test_per_sample_gradients_of_a_rollout_micro_batch_match_one_backward_per_sample(lora, via, method):
     from leancompile.runtime.per_sample import PerSampleGradients
 
-    for lora, method in ((4, "linear"), (None, "per-sample")):
-        trainer = _build("flux", FlowGRPOConfig(dtype="float64", lora_rank=lora))
-        backbone, params = trainer.backbone, trainer.trainable
-        x = torch.randn(6, *backbone.latent_shape, dtype=torch.float64)
-        sigma = torch.rand(6, dtype=torch.float64)
-        cond = trainer.encode([1, 2, 3, 1, 2, 3]).to(dtype=torch.float64)
-        per_sample = PerSampleGradients(backbone, params)
+    trainer = _build("flux", FlowGRPOConfig(dtype="float64", lora_rank=lora))
+    backbone, params = trainer.backbone, trainer.trainable
+    x = torch.randn(6, *backbone.latent_shape, dtype=torch.float64)
+    sigma = torch.rand(6, dtype=torch.float64)
+    cond = trainer.encode([1, 2, 3, 1, 2, 3]).to(dtype=torch.float64)
+    per_sample = PerSampleGradients(backbone, params)
+    if via == "forward":
+        out = per_sample.forward(x, sigma, cond, 3)
+    else:
         with per_sample.recording(6):
             out = backbone(x, sigma, cond)
-        assert per_sample.method(3) == method
-        grads = per_sample.gradients(out, out.detach(), 3)  # rows i and i + 3 belong to sample i
-        for i in range(3):
-            rows = torch.tensor([i, i + 3])
-            one = backbone(x[rows], sigma[rows], cond.index(rows))
-            for g, expected in zip(grads, torch.autograd.grad(one, params, one.detach(), allow_unused=True,
-                                                               materialize_grads=True)):
-                torch.testing.assert_close(g[i], expected, rtol=1e-10, atol=1e-12)
+    assert per_sample.method(3) == method
+    grads = per_sample.gradients(out, out.detach(), 3)  # rows i and i + 3 belong to sample i
+    for i in range(3):
+        rows = torch.tensor([i, i + 3])
+        one = backbone(x[rows], sigma[rows], cond.index(rows))
+        for g, expected in zip(grads, torch.autograd.grad(one, params, one.detach(), allow_unused=True,
+                                                           materialize_grads=True)):
+            torch.testing.assert_close(g[i], expected, rtol=1e-10, atol=1e-12)

@@ -8,7 +8,8 @@ methods, chosen per call:
 * ``"rows"``: every trainable parameter is a linear layer's weight (LoRA): the call runs as the AOTAutograd
   partition, whose backward graph :func:`~leancompile.passes.per_row.split_weight_gradients_per_row` rewrote to
   hand over each row's share of every weight gradient. One compiled forward and backward.
-* ``"single"``: the call holds one sample: its gradient is the batch gradient, one backward.
+* ``"single"``: the call holds one sample: its gradient is the batch gradient; the call runs as the plain
+  partition, one backward.
 * ``"linear"``: every trainable parameter is the weight or bias of an ``nn.Linear`` that sees the batch on dim 0
   (LoRA's A and B matrices; most of a full fine-tune). One backward to the layers' outputs ``D``, and for each
   layer ``G_i = sum over sample i's rows and tokens of D^T X`` with the layer's recorded input ``X``: the
@@ -52,6 +53,7 @@ class PerSampleGradients:
         self._batched_dim0 = True
         self._method: str | None = None
         self.weights_only = self.linear_covers_all and all(b is None for _, _, b in self._layers)
+        self.whole = PartitionedBackbone(backbone)
         self.partitioned = None
         if self.weights_only:
             order = {id(p): position for position, p in enumerate(backbone.parameters())}
@@ -71,9 +73,12 @@ class PerSampleGradients:
             self.refused[rows] = reason
         return gm
 
-    def forward(self, x, sigma, cond) -> torch.Tensor:
-        """Run the call with grad in a way :meth:`gradients` can split per sample."""
+    def forward(self, x, sigma, cond, samples: int) -> torch.Tensor:
+        """Run the call (``samples`` samples) with grad in a way :meth:`gradients` can split per sample."""
         rows = x.shape[0]
+        if samples == 1:  # its gradient is the batch's: the plain partition, nothing to split
+            self._method = "single"
+            return self.whole(x, sigma, cond)
         if self.partitioned is not None and rows not in self.refused:
             self._method = "rows"
             return self.partitioned(x, sigma, cond)
@@ -108,8 +113,8 @@ class PerSampleGradients:
         return hook
 
     def method(self, samples: int) -> str:
-        if self._method == "rows":
-            return "rows"
+        if self._method in ("rows", "single"):
+            return self._method
         if samples == 1:
             return "single"
         return "linear" if self.linear_covers_all and self._batched_dim0 else "per-sample"

@@ -138,7 +138,7 @@ class ReweightRuntime(Runtime):
         def call(x, sigma, cond):
             self.remember_weights()
             with torch.enable_grad():
-                output = self.per_sample.forward(x, sigma, cond)
+                output = self.per_sample.forward(x, sigma, cond, len(rows))
             s.call = ProvisionalCall(step, rows.cpu(), x.detach(), output)
             return output.detach()
 
@@ -337,6 +337,8 @@ class ReweightRuntime(Runtime):
         out = {}
         for sample, sinks in self.state.weights.items():
             weights = [w / size for sink, size in sinks for w in sink]
+            if not weights:  # its loss was never backpropagated: it adds nothing, as natively
+                continue
             if max(weights) - min(weights) > 1e-12 * max(abs(w) for w in weights):
                 raise RuntimeError("leancompile: the trainer weights one sample's micro-steps differently; "
                                    "Reweight needs one weight per sample; use schedule='retain'")
