@@ -4,6 +4,8 @@ from __future__ import annotations
 import copy
 import functools
 
+import torch
+
 from . import passes
 from .optimized import optimized_class
 from .plan import Plan, StepAction
@@ -13,6 +15,26 @@ from .runtime.per_sample import trainable_linear_layers
 from .runtime.reweight import ReweightRuntime
 
 SCHEDULES = ("auto", "retain", "reweight", "native")
+
+
+class Graphs(dict):
+    """The optimized trainer's graphs by name. An entry may be a function that traces it, called on first read."""
+
+    def __getitem__(self, name):
+        value = super().__getitem__(name)
+        if not isinstance(value, torch.fx.GraphModule):
+            value = value()
+            super().__setitem__(name, value)
+        return value
+
+    def get(self, name, default=None):
+        return self[name] if name in self else default
+
+    def items(self):
+        return [(name, self[name]) for name in self]
+
+    def values(self):
+        return [self[name] for name in self]
 
 
 def _reuse_window(config) -> str:
@@ -89,8 +111,9 @@ def _compile(trainer, programs, requested: str, memory_budget, strict: bool):
     linear = trainable_linear_layers(trainer.backbone, trainer.trainable)[1]
     use_reweight, choice = _choose_reweight(requested, config, linearity, linear, shared.cast_only)
     if use_reweight:
-        provisional = passes.capture_provisional(trainer)
-        graphs = {"rollout": provisional, "update": programs.update, "rollout_traced": programs.rollout}
+        # Traced on first access: a second trace of the backbone, forward and backward, that only inspection reads.
+        graphs = Graphs(rollout=functools.partial(passes.capture_provisional, trainer), update=programs.update,
+                        rollout_traced=programs.rollout)
         accumulate = functools.partial(_accumulators, config, bool(linearity.advantage_free))
         runtime = ReweightRuntime(trainer, shared.layout.segments, accumulate, bool(linearity.advantage_free))
         plan = Plan("reweight", requested, _steps(config, "reweight"), _reuse_window(config), description,

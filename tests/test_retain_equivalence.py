@@ -91,7 +91,7 @@ def _expected_actions(config, records):
 
 
 @given(case=configurations())
-@settings(max_examples=24, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=16, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 def test_retain_equals_native_in_float64(case):
     family, config = case
     native, retain, n_stats, r_stats, d_native, d_retain = _run_both(family, config)
@@ -109,7 +109,7 @@ def test_retain_equals_native_in_float64(case):
 
 
 @given(case=configurations(dtype="bf16"))
-@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 def test_retain_matches_native_in_bf16(case):
     """In bf16 the rollout's batch and the update's micro-batch round differently, so the gradients agree in
     direction, not bitwise. (Adam's first step, about lr * sign(g), turns sign noise on near-zero gradient entries

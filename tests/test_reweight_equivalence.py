@@ -84,7 +84,7 @@ def _relative(a, b) -> float:
 
 
 @given(case=configurations())
-@settings(max_examples=24, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=16, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 def test_reweight_equals_native_in_float64(case):
     """SD3 without its float32 island: every configuration, bit-for-bit up to float64 rounding."""
     config, prompts = case
@@ -107,7 +107,7 @@ def test_reweight_equals_native_in_float64(case):
 
 
 @given(case=configurations(), family=st.sampled_from(["flux", "wan"]))
-@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 def test_float32_islands_bound_reweight_by_float32_rounding(case, family):
     """Flux's rotary embedding and Wan's FP32LayerNorms compute in float32 in a float64 model. Reweight sends
     the cotangent of advantage 1 through them and scales afterwards, the native update sends the scaled one:
@@ -119,7 +119,7 @@ def test_float32_islands_bound_reweight_by_float32_rounding(case, family):
 
 
 @given(case=configurations(dtype="bf16"), family=st.sampled_from(["flux", "sd3", "wan"]))
-@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 def test_reweight_matches_native_in_bf16(case, family):
     config, prompts = case
     *_, (g_native, g_reweight), _ = _run_both(family, config, prompts)
@@ -136,17 +136,15 @@ def _moments_config(group_size, **overrides):
 
 def test_moment_accumulators_hold_a_constant_number_of_buffers_as_the_group_grows():
     held = {}
-    for group_size in (2, 4, 8, 16):
-        for clip in (5.0, 0.5):  # 0.5 binds: per-sample buffers
-            native, reweight, (_, stats), _, (d_native, d_reweight) = _run_both(
-                "sd3", _moments_config(group_size, adv_clip_max=clip), (1,), reward=mean_reward)
-            assert _relative(d_native, d_reweight) <= 1e-10
-            held[group_size, clip] = (stats["buffer_mode"], stats["buffers"], stats["buffer_bytes"])
-    sizes = {g: held[g, 5.0][2] for g in (2, 4, 8, 16)}
+    for group_size, clip in ((4, 5.0), (8, 5.0), (16, 5.0), (4, 0.5), (16, 0.5)):  # 0.5 binds: per-sample
+        native, reweight, (_, stats), _, (d_native, d_reweight) = _run_both(
+            "sd3", _moments_config(group_size, adv_clip_max=clip), (1,), reward=mean_reward)
+        assert _relative(d_native, d_reweight) <= 1e-10
+        held[group_size, clip] = (stats["buffer_mode"], stats["buffers"], stats["buffer_bytes"])
     # one sample in flight, then two sums per group (r-weighted and plain): 3 buffers whatever the group size
     assert {held[g, 5.0][:2] for g in (4, 8, 16)} == {("accumulators", 3)}
-    assert len(set(sizes[g] for g in (4, 8, 16))) == 1
-    assert [held[g, 0.5] [:2] for g in (2, 4, 8, 16)] == [("per-sample", g) for g in (2, 4, 8, 16)]
+    assert len({held[g, 5.0][2] for g in (4, 8, 16)}) == 1
+    assert [held[g, 0.5][:2] for g in (4, 16)] == [("per-sample", 4), ("per-sample", 16)]
 
 
 def test_moments_with_kl_and_a_zero_advantage_group_equal_native():
