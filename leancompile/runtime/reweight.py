@@ -99,7 +99,6 @@ class ReweightRuntime(Runtime):
         self.config = trainer.config
         self.reward_fn = trainer.reward_fn
         self.generator = trainer.generators["shuffle"]
-        self.backbone = trainer.backbone
         self.sigmas = trainer.sigmas
         self.segments = segments
         self.accumulate = accumulate
@@ -112,7 +111,7 @@ class ReweightRuntime(Runtime):
     def end_step(self) -> dict:
         s = self.state
         stats = {**super().end_step(), "buffer_bytes": s.peak_buffer_bytes, "buffers": s.peak_buffers,
-                 "buffer_mode": s.mode, "kept_output_bytes": s.kept_bytes}
+                 "buffer_mode": s.mode, "buffer_reason": s.mode_reason, "kept_output_bytes": s.kept_bytes}
         self.state = self.state_class()  # nothing outlives its GRPO step
         return stats
 
