@@ -11,7 +11,9 @@ from conftest import PromptTable, mean_reward
 
 
 @st.composite
-def configurations(draw, dtype="float64"):
+def grpo_configs(draw, dtype="float64", max_group=3, max_accumulation=3, extra=None, **fixed):
+    """A FlowGRPO or DanceGRPO config over the schedules, batching, CFG, KL and tuning the suites cover; ``extra``
+    maps further fields to strategies, ``fixed`` sets fields outright."""
     algorithm = draw(st.sampled_from(["flowgrpo", "dancegrpo"]))
     num_steps = draw(st.integers(2, 4))
     trained = draw(st.sampled_from(["first", "random", "window"]))
@@ -19,26 +21,30 @@ def configurations(draw, dtype="float64"):
         num_steps=num_steps,
         timestep_fraction=1.0,
         trained_steps=trained,
-        group_size=draw(st.integers(2, 3)),
+        group_size=draw(st.integers(2, max_group)),
         train_batch_size=draw(st.integers(1, 4)),
         sample_batch_size=draw(st.sampled_from([None, 1, 2])),
-        gradient_accumulation_steps=draw(st.integers(1, 3)),
+        gradient_accumulation_steps=draw(st.integers(1, max_accumulation)),
         num_inner_epochs=draw(st.integers(1, 2)),
         lora_rank=draw(st.sampled_from([2, None])),
         beta=draw(st.sampled_from([0.0, 0.05])),
         guidance_scale=draw(st.sampled_from([1.0, 2.5])),
         cfg_detach_uncond=draw(st.booleans()),
+        **{name: draw(strategy) for name, strategy in (extra or {}).items()},
         learning_rate=1e-3,
         seed=draw(st.integers(0, 100)),
-        dtype=dtype,
+        dtype="float32" if dtype == "bf16" else dtype,
         mixed_precision="bf16" if dtype == "bf16" else "no",
+        **fixed,
     )
-    if dtype == "bf16":
-        common["dtype"] = "float32"
     if trained == "window":
         common["sde_window_size"] = draw(st.integers(1, num_steps))
-    config = FlowGRPOConfig(**common) if algorithm == "flowgrpo" else DanceGRPOConfig(**common)
-    return draw(st.sampled_from(["flux", "sd3", "wan"])), config
+    return FlowGRPOConfig(**common) if algorithm == "flowgrpo" else DanceGRPOConfig(**common)
+
+
+@st.composite
+def configurations(draw, dtype="float64"):
+    return draw(st.sampled_from(["flux", "sd3", "wan"])), draw(grpo_configs(dtype))
 
 
 # Two diffusers layers compute in float32 whatever the model's dtype: Wan's affine cross-attention norm

@@ -5,10 +5,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from leancompile import backbones, optimize
-from leancompile.trainers import DanceGRPOConfig, DanceGRPOTrainer, FlowGRPOConfig, FlowGRPOTrainer
+from leancompile.trainers import DanceGRPOTrainer, FlowGRPOConfig, FlowGRPOTrainer
 
 from conftest import PromptTable, mean_reward
-from test_retain_equivalence import FLOAT64_OVERRIDES, _capture_first_gradient
+from test_retain_equivalence import FLOAT64_OVERRIDES, _capture_first_gradient, grpo_configs
 
 
 def tied_reward(samples, prompts):
@@ -19,33 +19,10 @@ def tied_reward(samples, prompts):
 
 @st.composite
 def configurations(draw, dtype="float64"):
-    algorithm = draw(st.sampled_from(["flowgrpo", "dancegrpo"]))
-    num_steps = draw(st.integers(2, 4))
-    trained = draw(st.sampled_from(["first", "random", "window"]))
-    common = dict(
-        num_steps=num_steps,
-        timestep_fraction=1.0,
-        trained_steps=trained,
-        group_size=draw(st.integers(2, 4)),
-        train_batch_size=draw(st.integers(1, 4)),
-        sample_batch_size=draw(st.sampled_from([None, 1, 2])),
-        gradient_accumulation_steps=draw(st.integers(1, 4)),
-        num_inner_epochs=draw(st.integers(1, 2)),
-        lora_rank=draw(st.sampled_from([2, None])),
-        beta=draw(st.sampled_from([0.0, 0.05])),
-        guidance_scale=draw(st.sampled_from([1.0, 2.5])),
-        cfg_detach_uncond=draw(st.booleans()),
-        global_std=draw(st.booleans()),
-        adv_clip_max=draw(st.sampled_from([5.0, 0.7])),  # 0.7 binds: per-sample buffers
-        learning_rate=1e-3,
-        max_grad_norm=None,
-        seed=draw(st.integers(0, 100)),
-        dtype="float32" if dtype == "bf16" else dtype,
-        mixed_precision="bf16" if dtype == "bf16" else "no",
-    )
-    if trained == "window":
-        common["sde_window_size"] = draw(st.integers(1, num_steps))
-    config = FlowGRPOConfig(**common) if algorithm == "flowgrpo" else DanceGRPOConfig(**common)
+    config = draw(grpo_configs(dtype, max_group=4, max_accumulation=4, max_grad_norm=None, extra=dict(
+        global_std=st.booleans(),
+        adv_clip_max=st.sampled_from([5.0, 0.7]),  # 0.7 binds: per-sample buffers
+    )))
     prompts = draw(st.sampled_from([(1, 2), (1, 3), (2,)]))  # (1, 3): a group with zero advantages
     return config, prompts
 
