@@ -8,6 +8,7 @@ the last compilation are kept for inspection.
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -15,6 +16,7 @@ from functorch.compile import make_boxed_func
 from torch._functorch import config as functorch_config
 from torch._functorch.aot_autograd import aot_function
 from torch._functorch.partitioners import min_cut_rematerialization_partition
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from ..backbones import Conditioning
 
@@ -62,10 +64,13 @@ class PartitionedBackbone:
         self._params = dict(backbone.named_parameters())
         self._buffers = dict(backbone.named_buffers())
         self._lora_layers = [m for m in backbone.modules() if hasattr(m, "lora_A")]
-        self.resident = frozenset(t.untyped_storage().data_ptr()
-                                  for t in (*self._params.values(), *self._buffers.values()))
         self.forward_graph: torch.fx.GraphModule | None = None
         self.backward_graph: torch.fx.GraphModule | None = None
+
+    @functools.cached_property
+    def resident(self) -> frozenset:
+        """Storage pointers of the weights and buffers (read when counting saved bytes of real tensors)."""
+        return frozenset(t.untyped_storage().data_ptr() for t in (*self._params.values(), *self._buffers.values()))
 
     def _signature(self, x, sigma, cond):
         pooled = None if cond.pooled is None else (tuple(cond.pooled.shape), cond.pooled.dtype)
@@ -73,7 +78,7 @@ class PartitionedBackbone:
         return (tuple(x.shape), x.dtype, tuple(sigma.shape), tuple(cond.text.shape), cond.text.dtype, pooled,
                 autocast, tuple(m.disable_adapters for m in self._lora_layers))
 
-    def _compile(self, rows: int):
+    def _compile(self, rows: int, run: bool = True):
         backbone = self.backbone
 
         def forward(params, buffers, x, sigma, text, pooled):
@@ -82,6 +87,8 @@ class PartitionedBackbone:
 
         def keep_forward(gm, _):
             self.forward_graph = gm
+            if not run:
+                raise _Partitioned
             return make_boxed_func(gm)
 
         def keep_backward(gm, _):
@@ -103,3 +110,24 @@ class PartitionedBackbone:
                   else contextlib.nullcontext())
         with without_checkpointing(self.backbone.model), budget:
             return self._compiled[key](self._params, self._buffers, x, sigma, cond.text, cond.pooled)
+
+    def saved_bytes(self, x, sigma, cond: Conditioning) -> int:
+        """Bytes of the activations the partition's forward would save for ``(x, sigma, cond)``, weights excluded.
+
+        Traces and partitions without running the forward (the inputs may be fake tensors)."""
+        with without_checkpointing(self.backbone.model), \
+                functorch_config.patch(activation_memory_budget=self.memory_budget), \
+                contextlib.suppress(_Partitioned):
+            self._compile(x.shape[0], run=False)(self._params, self._buffers, x, sigma, cond.text, cond.pooled)
+        graph = self.forward_graph.graph
+        weights = list(graph.find_nodes(op="placeholder"))[:len(self._params) + len(self._buffers)]
+        # A saved transpose of a weight is a view of it, not an activation.
+        resident = {StorageWeakRef(n.meta["val"].untyped_storage()) for n in weights}
+        saved = [n.meta.get("val") for n in graph.find_nodes(op="output")[0].args[0][1:] if isinstance(n, torch.fx.Node)]
+        return sum(v.numel() * v.element_size() for v in saved
+                   if isinstance(v, torch.Tensor) and StorageWeakRef(v.untyped_storage()) not in resident)
+
+
+class _Partitioned(Exception):
+    """Stops an AOTAutograd compilation once the forward graph is partitioned (nothing is run)."""
+

@@ -1,0 +1,338 @@
+"""The planner: per trained step, the fastest way to serve the update's backbone calls that fits in memory.
+
+A GRPO step's memory is a sum of components (weights, gradients, optimizer state, EMA, reference model, and what
+each schedule holds from the rollout to the update), written as sympy expressions in the batch, the tokens, the
+retained steps and the world size; its time is the roofline time of the backbone calls each schedule runs.
+Per trained step the planner picks one of
+
+* ``retain``: keep the rollout's activations (the update's forward disappears);
+* ``retain@f``: keep a fraction ``f`` of them, the min-cut partitioner recomputing the rest in the backward;
+* ``offload``: keep them in host memory (where the device has a host link and the copy costs less than the forward);
+* ``recompute``: keep nothing, the update runs its forward again (native);
+
+and compares the best such mix with Reweight (gradient buffers instead of activations, for all trained steps) and
+with the native program. Activations are linear in the retained steps, so the best mix retains whole steps while
+they fit, one step partially with what is left, and offloads or recomputes the rest.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+
+import sympy
+import torch
+
+from .devices import Device, GiB
+from .profile import CallProfile
+
+# Symbols of the memory model.
+ROWS, TOKENS, STEPS, WORLD = sympy.symbols("rows tokens retained_steps world", positive=True)
+MARGIN = 0.9  # of the device's free memory: allocator fragmentation and the CUDA context need the rest
+_SMALLEST_PARTIAL = 0.05  # a partial retention below this saves too little of a forward to be worth a compile
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """One GRPO step of a trainer on a device: what the planner weighs."""
+
+    config: object  # the trainer's GRPOConfig
+    num_samples: int  # samples per GRPO step (prompts x group size), per rank
+    profile: CallProfile  # one backbone call of one row
+    total_params: int
+    trainable_params: int
+    weight_bytes: int  # per element of a frozen weight
+    trainable_bytes: int  # per element of a trainable weight, its gradient and each optimizer moment
+    latent_bytes: int  # one row's backbone output
+    compute_dtype: torch.dtype
+    reweight_refusal: str | None = None  # why Reweight cannot run here (None: it can)
+    advantage_free: bool = False  # the loss has advantage-free terms: Reweight backpropagates twice
+    per_sample_backwards: int = 1  # backwards per rollout call Reweight needs for per-sample gradients
+    buffers: int | None = None  # gradient buffers Reweight holds at its peak (None: one per window sample)
+    world_size: int = 1
+    sharding: str = "ddp"  # "ddp" replicates weights and optimizer state; "fsdp" shards them
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """A schedule's predicted peak memory and step time."""
+
+    schedule: str  # "native" | "retain" | "reweight" | "auto"
+    fits: bool
+    peak_bytes: int
+    components: tuple[tuple[str, int], ...]
+    seconds: float
+    flops: float
+    steps: tuple[str, ...] = ()  # per eligible trained step: retain | retain@f | offload | recompute | reweight
+    runs: str = ""  # which program auto runs ("retain" for any mix of retained steps)
+    note: str = ""
+
+
+@dataclass(frozen=True)
+class CostPlan:
+    """Predictions for native, retain, reweight and the planner's choice (``auto``) on one device."""
+
+    device: str
+    budget: int
+    estimates: tuple[Estimate, ...]
+    limits: tuple[tuple[str, str], ...] = ()
+    extra: tuple[tuple[str, object], ...] = field(default=())
+
+    def __getitem__(self, schedule: str) -> Estimate:
+        for e in self.estimates:
+            if e.schedule == schedule:
+                return e
+        raise KeyError(schedule)
+
+    def speedup(self, schedule: str) -> float:
+        return self["native"].seconds / self[schedule].seconds
+
+    def flop_ideal(self, schedule: str) -> float:
+        return self["native"].flops / self[schedule].flops
+
+    def to_json(self) -> dict:
+        return {"device": self.device, "budget_bytes": self.budget,
+                "schedules": {e.schedule: {"fits": e.fits, "peak_bytes": e.peak_bytes,
+                                           "speedup": round(self.speedup(e.schedule), 4),
+                                           "flop_ideal_speedup": round(self.flop_ideal(e.schedule), 4),
+                                           "step_seconds": e.seconds, "components": dict(e.components),
+                                           "steps": list(e.steps), "runs": e.runs or e.schedule, "note": e.note}
+                              for e in self.estimates},
+                "limits": dict(self.limits), **dict(self.extra)}
+
+    def __str__(self) -> str:
+        names = [name for name, _ in self["native"].components]
+        for e in self.estimates:
+            names += [n for n, _ in e.components if n not in names]
+        head = f"{'':<26}" + "".join(f"{e.schedule:>12}" for e in self.estimates)
+        lines = [f"device {self.device}, budget {_gib(self.budget)}", head]
+        for name in names:
+            lines.append(f"  {name:<24}" + "".join(f"{_gib(dict(e.components).get(name, 0)):>12}"
+                                                   for e in self.estimates))
+        lines.append(f"  {'peak':<24}" + "".join(f"{_gib(e.peak_bytes):>12}" for e in self.estimates))
+        lines.append(f"  {'fits':<24}" + "".join(f"{'yes' if e.fits else 'NO':>12}" for e in self.estimates))
+        lines.append(f"  {'step time (s)':<24}" + "".join(f"{e.seconds:>12.3g}" for e in self.estimates))
+        lines.append(f"  {'speedup':<24}" + "".join(f"{self.speedup(e.schedule):>11.2f}x" for e in self.estimates))
+        lines.append(f"  {'FLOP-ideal speedup':<24}" + "".join(f"{self.flop_ideal(e.schedule):>11.2f}x"
+                                                             for e in self.estimates))
+        auto = self["auto"]
+        lines.append(f"auto runs {auto.runs}: {auto.note}")
+        if auto.steps:
+            lines.append("  per trained step: " + " ".join(auto.steps))
+        lines += [f"  {name}: {value}" for name, value in self.limits]
+        return "\n".join(lines)
+
+
+def _gib(n: float) -> str:
+    return f"{n / GiB:.2f} GiB" if n >= 0.01 * GiB else f"{n / 2 ** 20:.2f} MiB"
+
+
+# ------------------------------------------------------------------------------------------------ memory model
+
+def static_memory(s: Scenario) -> dict[str, sympy.Expr]:
+    """What every schedule holds: weights, gradients, optimizer moments, EMA and the KL reference."""
+    cfg = s.config
+    shard = WORLD if s.sharding == "fsdp" else 1
+    frozen = s.total_params - s.trainable_params
+    parts = {"weights": (frozen * s.weight_bytes + s.trainable_params * s.trainable_bytes) / shard,
+             "gradients": s.trainable_params * s.trainable_bytes / shard,
+             "optimizer (AdamW)": 2 * s.trainable_params * s.trainable_bytes / shard}
+    if cfg.ema:
+        parts["EMA"] = s.trainable_params * s.trainable_bytes / shard
+    if cfg.beta > 0 and cfg.lora_rank is None:  # LoRA's reference is the same model with adapters off
+        parts["reference model"] = s.total_params * s.weight_bytes / shard
+    return {k: sympy.sympify(v) for k, v in parts.items()}
+
+
+def activations_per_row(s: Scenario) -> sympy.Expr:
+    """Bytes one row of one retained call keeps, as a function of the tokens (linear: the attention kernels
+    save per-token statistics, not the attention matrix)."""
+    return sympy.Rational(s.profile.retained_bytes, s.profile.tokens) * TOKENS
+
+
+def call_memory(s: Scenario, checkpointing: bool) -> sympy.Expr:
+    """The activations of one update call in flight (rows = its batch)."""
+    if not checkpointing:
+        return ROWS * activations_per_row(s)
+    blocks = max(1, s.profile.blocks)
+    per_row = sympy.Rational(s.profile.checkpoint_bytes + s.profile.retained_bytes // blocks, s.profile.tokens)
+    return ROWS * per_row * TOKENS
+
+
+# --------------------------------------------------------------------------------------------- step geometry
+
+@dataclass(frozen=True)
+class _Geometry:
+    eligible: int  # denoising steps that may be trained
+    rollout_rows: int  # rows of one rollout call (CFG doubles)
+    rollout_calls: int  # rollout calls per denoising step
+    update_rows: int  # rows of one update call
+    retained_rows: float  # rows the rollout keeps per eligible step (all samples that train it)
+    window_calls: float  # update calls per eligible step before the first optimizer step
+    window_samples: int
+    micro_steps: float  # update calls per GRPO step, all epochs
+    optimizer_steps: int
+
+
+def _geometry(s: Scenario) -> _Geometry:
+    cfg, n = s.config, s.num_samples
+    k = cfg.num_trained_steps
+    eligible = {"first": k, "window": k}.get(cfg.trained_steps,
+                                             cfg.num_steps - 1 if cfg.algorithm == "dancegrpo" else cfg.num_steps)
+    segments = 2 if cfg.use_cfg else 1
+    train_segments = 2 if cfg.use_cfg and cfg.train_cfg else 1
+    b_r = min(cfg.sample_batch_size or n, n)
+    per_batch = cfg.train_batch_size
+    window = min(n, cfg.gradient_accumulation_steps * per_batch)
+    share = k / eligible
+    return _Geometry(eligible, segments * b_r, math.ceil(n / b_r), train_segments * per_batch,
+                     segments * n * share, window / per_batch * share, window,
+                     cfg.num_inner_epochs * n / per_batch * k,
+                     cfg.num_inner_epochs * math.ceil(n / (per_batch * cfg.gradient_accumulation_steps)))
+
+
+# ------------------------------------------------------------------------------------------------ the planner
+
+def plan(s: Scenario, device: Device, budget: int | None = None) -> CostPlan:
+    """Predict native, Retain and Reweight, and choose per trained step, on ``device`` within ``budget`` bytes
+    (default: the device's free memory less a margin)."""
+    budget = int(device.available * MARGIN) if budget is None else int(budget)
+    if budget <= 0:
+        raise ValueError(f"budget must be a positive number of bytes; got {budget}")
+    g, cfg = _geometry(s), s.config
+    tokens, world = s.profile.tokens, s.world_size
+    values = {TOKENS: tokens, WORLD: world}
+    static = {k: int(v.subs(values)) for k, v in static_memory(s).items()}
+    base = sum(static.values())
+    peak_flops = device.peak_flops(s.compute_dtype)
+
+    def seconds(work, rows):
+        return work.seconds(peak_flops, device.bandwidth, device.launch, rows)
+
+    fwd_u, bwd_u = seconds(s.profile.forward, g.update_rows), seconds(s.profile.backward, g.update_rows)
+    fwd_r = seconds(s.profile.forward, g.rollout_rows)
+    flops_f, flops_b = s.profile.forward.total_flops, s.profile.backward.total_flops
+    ckpt = bool(cfg.gradient_checkpointing)
+    kl = cfg.beta > 0
+    per_update = fwd_u + bwd_u + ckpt * fwd_u + kl * fwd_u
+    optimizer = g.optimizer_steps * 16 * s.trainable_params * s.trainable_bytes / device.bandwidth
+    native_s = cfg.num_steps * g.rollout_calls * fwd_r + g.micro_steps * per_update + optimizer
+    native_f = (cfg.num_steps * g.rollout_calls * g.rollout_rows * flops_f
+                + g.micro_steps * g.update_rows * (flops_f * (1 + ckpt + kl) + flops_b))
+    transient = int(call_memory(s, ckpt).subs({ROWS: g.update_rows, **values}))
+    native = _estimate("native", static, {"activations (one call)": transient}, budget, native_s, native_f,
+                       note="the untransformed program")
+
+    # What one eligible step saves when the update does not run its forward (per window call: the forward and,
+    # under checkpointing, its recomputation).
+    saved_s = g.window_calls * fwd_u * (1 + ckpt)
+    saved_f = g.window_calls * g.update_rows * flops_f * (1 + ckpt)
+    step_bytes = int((g.retained_rows * activations_per_row(s)).subs(values))
+    retain_transient = int(call_memory(s, False).subs({ROWS: max(g.rollout_rows, g.update_rows), **values}))
+    retained = _estimate("retain", static, {"retained activations": g.eligible * step_bytes,
+                                             "activations (one call)": retain_transient},
+                         budget, native_s - g.eligible * saved_s, native_f - g.eligible * saved_f,
+                         ("retain",) * g.eligible, note=f"every trained step keeps {_gib(step_bytes)}")
+    reweight = _reweight(s, g, static, budget, native_s, native_f, fwd_u, bwd_u, device, values)
+    auto = _auto(s, g, static, budget, native, reweight, step_bytes, retain_transient, saved_s, saved_f,
+                 fwd_u, device)
+    limits = _limits(s, g, base, budget, retain_transient)
+    return CostPlan(device.name, budget, (native, retained, reweight, auto), limits)
+
+
+def _estimate(name, static, extra, budget, seconds, flops, steps=(), runs="", note="") -> Estimate:
+    components = {**static, **{k: int(v) for k, v in extra.items()}}
+    peak = sum(components.values())
+    return Estimate(name, peak <= budget, peak, tuple(components.items()), float(seconds), float(flops), steps,
+                    runs, note)
+
+
+def _reweight(s, g, static, budget, native_s, native_f, fwd_u, bwd_u, device, values) -> Estimate:
+    cfg = s.config
+    if s.reweight_refusal is not None:
+        return Estimate("reweight", False, 0, (), math.inf, math.inf, note=s.reweight_refusal)
+    backwards = (1 + s.advantage_free) * s.per_sample_backwards
+    buffer = s.trainable_params * s.trainable_bytes
+    count = s.buffers if s.buffers is not None else g.window_samples * (1 + s.advantage_free)
+    trained = g.window_samples * cfg.num_trained_steps
+    segments = 2 if cfg.use_cfg else 1
+    kept = 2 * trained * segments * s.latent_bytes
+    # Per window call: the update's forward and backward move into the rollout, the backward `backwards` times;
+    # each (sample, step) adds its gradient into a buffer (read, add, write) and the correction reads them all.
+    per_step = g.window_calls * (fwd_u * (1 + cfg.gradient_checkpointing) + bwd_u * (1 - backwards))
+    traffic = (3 * trained + 2 * count) * buffer / device.bandwidth
+    flops = native_f - g.eligible * g.window_calls * g.update_rows * (
+        s.profile.forward.total_flops * (1 + cfg.gradient_checkpointing)
+        + s.profile.backward.total_flops * (1 - backwards))
+    transient = int(call_memory(s, False).subs({ROWS: g.rollout_rows, **values}))
+    return _estimate("reweight", static, {"gradient buffers": count * buffer, "kept outputs": kept,
+                                          "activations (one call)": transient}, budget,
+                     native_s - g.eligible * per_step + traffic, flops, ("reweight",) * g.eligible,
+                     note=f"{count} gradient buffers of {_gib(buffer)}")
+
+
+def _auto(s, g, static, budget, native, reweight, step_bytes, transient, saved_s, saved_f, fwd_u,
+          device) -> Estimate:
+    """The best per-step mix of retain / retain@f / offload / recompute, or Reweight, or native."""
+    room = budget - sum(static.values()) - transient
+    full = max(0, min(g.eligible, room // step_bytes if step_bytes else g.eligible))
+    left = room - full * step_bytes
+    steps = ["retain"] * full
+    seconds, flops = native.seconds - full * saved_s, native.flops - full * saved_f
+    held = full * step_bytes
+    offload = device.host_link is not None and 2 * step_bytes / device.host_link < saved_s
+    for _ in range(g.eligible - full):
+        fraction = left / step_bytes if step_bytes else 0.0
+        if _SMALLEST_PARTIAL <= fraction < 1 and not offload:
+            fraction = math.floor(fraction * 100) / 100
+            steps.append(f"retain@{fraction:.2f}")
+            # The partition saves f of the activations and recomputes the rest in the backward.
+            seconds -= saved_s - (1 - fraction) * g.window_calls * fwd_u
+            flops -= fraction * saved_f
+            held += int(fraction * step_bytes)
+            left = 0
+        elif offload:
+            steps.append("offload")
+            seconds -= saved_s - 2 * step_bytes / device.host_link
+            flops -= saved_f
+        else:
+            steps.append("recompute")
+    extra = {"retained activations": held, "activations (one call)": transient}
+    if steps.count("offload"):
+        extra["offloaded to host (not on device)"] = 0
+    mix = _estimate("auto", static, extra, budget, seconds, flops, tuple(steps), "retain",
+                    note=_describe(steps))
+    if full == 0 and not any(a != "recompute" for a in steps):
+        mix = None
+    options = [e for e in (mix, reweight) if e is not None and e.fits] + [native]
+    best = min(options, key=lambda e: e.seconds)
+    if best is native:
+        why = "nothing fits" if not native.fits else "no reuse fits or is faster"
+        return Estimate("auto", native.fits, native.peak_bytes, native.components, native.seconds, native.flops,
+                        ("recompute",) * g.eligible, "native", f"native: {why}")
+    if best is reweight:
+        return Estimate("auto", True, reweight.peak_bytes, reweight.components, reweight.seconds, reweight.flops,
+                        reweight.steps, "reweight", "reweight: " + reweight.note
+                        + ("" if mix is None or not mix.fits else f"; faster than {mix.note}"))
+    return mix
+
+
+def _describe(steps) -> str:
+    counts = {}
+    for a in steps:
+        counts[a.split("@")[0] + ("@f" if "@" in a else "")] = counts.get(a.split("@")[0], 0) + 1
+    return ", ".join(f"{a} {n} step(s)" for a, n in counts.items())
+
+
+def _limits(s: Scenario, g, base: int, budget: int, transient: int) -> tuple[tuple[str, str], ...]:
+    """Feasibility boundaries solved from the memory model."""
+    held = g.retained_rows * activations_per_row(s)
+    total = base + transient + STEPS * held
+    steps = sympy.solve(sympy.Eq(total.subs(TOKENS, s.profile.tokens), budget), STEPS)
+    most = int(math.floor(steps[0])) if steps else 0
+    tokens = sympy.solve(sympy.Eq((base + g.eligible * held + g.rollout_rows * activations_per_row(s)), budget), TOKENS)
+    limit = int(math.floor(tokens[0])) if tokens else 0
+    return (("retained steps that fit (solved)", f"{max(0, min(most, g.eligible))} of {g.eligible}"
+             + (f" (memory allows {most})" if most > g.eligible else "")),
+            ("tokens per row at which retaining every trained step fits (solved)",
+             f"{max(limit, 0)} (now {s.profile.tokens})"))

@@ -1,0 +1,177 @@
+"""Profiles of backbone calls on fake tensors: what a call saves for its backward and what it costs to run.
+
+Nothing is allocated or computed: the backbone's weights are replaced by fake tensors (of any size, so FLUX.1-dev
+at 1024 px profiles on a laptop) and every operator only propagates shapes. Saved bytes come from the same
+AOTAutograd min-cut partition the Retain runtime runs; on a deep model the partition is traced on a copy holding
+one block of each kind, and once more with one extra block per kind, and the per-block increments are multiplied
+out (the blocks of a kind are identical, so this is exact up to the partitioner's choices at block boundaries).
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+from dataclasses import dataclass
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from ..backbones import Conditioning
+from ..runtime.partition import PartitionedBackbone
+from .workload import Workload, WorkloadCounter
+
+
+@dataclass(frozen=True)
+class CallProfile:
+    """One backbone call over ``batch`` rows."""
+
+    batch: int
+    tokens: int  # sequence length the blocks see (image/video tokens plus text tokens where they are joint)
+    retained_bytes: int  # activations the partition saves for the backward (the weights excluded)
+    checkpoint_bytes: int  # what activation checkpointing keeps instead: the blocks' inputs
+    blocks: int  # transformer blocks (checkpointing recomputes one at a time)
+    forward: Workload  # forward with grad (the rollout's no-grad forward runs the same operators)
+    backward: Workload
+
+
+def profile_call(backbone, autocast: torch.dtype | None = None, device_type: str = "cpu") -> CallProfile:
+    """Profile ``backbone(x, sigma, cond)`` over one row with its parameters' current ``requires_grad``.
+
+    ``backbone`` may live on the meta device (a real-size model from :func:`leancompile.backbones.real`) or hold
+    real weights (a trainer's); it is not modified. ``autocast`` profiles under ``torch.autocast``.
+    """
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    fake = _fake_copy(backbone, mode, device_type)
+    args = _fake_inputs(fake, 1, mode)
+    cast = torch.autocast(device_type, dtype=autocast) if autocast is not None else contextlib.nullcontext()
+    stacks = [(name, blocks, _kinds(blocks)) for name, blocks in _block_lists(fake.model)]
+    firsts = {name: [ids[0] for ids in kinds.values()] for name, _, kinds in stacks}
+    # A second block of each repeated kind, not the first one twice: the partition would share its weights' views.
+    extra = [(name, ids[1], len(ids) - 1) for name, _, kinds in stacks for ids in kinds.values() if len(ids) > 1]
+    blocks = sum(len(b) for _, b, _ in stacks)
+    with cast:
+        if blocks <= sum(map(len, firsts.values())) + len(extra) + 1:
+            total = _measure_call(fake, args, mode)  # shallow: the whole model is as cheap as the pieces
+        else:
+            base = _measure_call(_with_blocks(fake, firsts), args, mode)
+            total = base
+            for name, second, more in extra:
+                variant = _measure_call(_with_blocks(fake, {**firsts, name: sorted(firsts[name] + [second])}),
+                                        args, mode)
+                total = total + (variant - base) * more
+    return CallProfile(1, _tokens(fake), total.retained, total.checkpoint, blocks, total.forward, total.backward)
+
+
+@dataclass(frozen=True)
+class _Measured:
+    retained: int
+    checkpoint: int
+    forward: Workload
+    backward: Workload
+
+    def __add__(self, other):
+        return _Measured(self.retained + other.retained, self.checkpoint + other.checkpoint,
+                         self.forward + other.forward, self.backward + other.backward)
+
+    def __sub__(self, other):
+        return _Measured(self.retained - other.retained, self.checkpoint - other.checkpoint,
+                         self.forward - other.forward, self.backward - other.backward)
+
+    def __mul__(self, times: int):
+        return _Measured(self.retained * times, self.checkpoint * times, self.forward * times, self.backward * times)
+
+
+def _measure_call(fake, args, mode) -> _Measured:
+    """One call of ``fake``: the partition's saved bytes, the blocks' inputs, the forward's and backward's ops."""
+    block_inputs = []
+    handles = [b.register_forward_pre_hook(lambda _, a, kw: block_inputs.append(_tensor_bytes((a, kw))),
+                                           with_kwargs=True)
+               for _, blocks in _block_lists(fake.model) for b in blocks]
+    counter = WorkloadCounter()
+    try:
+        with mode, counter:
+            out = fake(*args)
+    finally:
+        for h in handles:
+            h.remove()
+    forward = counter.workload()
+    trainable = [p for p in fake.parameters() if p.requires_grad]
+    counter = WorkloadCounter()
+    with mode, counter:
+        torch.autograd.grad(out, trainable or [args[0]], torch.ones_like(out), allow_unused=True)
+    with mode:
+        retained = PartitionedBackbone(fake).saved_bytes(*args)
+    return _Measured(retained, sum(block_inputs), forward, counter.workload())
+
+
+# ------------------------------------------------------------------------------------------------ fake model
+
+def _fake_copy(backbone, mode: FakeTensorMode, device_type: str):
+    """A copy of ``backbone`` whose parameters and buffers are fake tensors on ``device_type``."""
+    shared = {id(t): t for t in (*backbone.parameters(), *backbone.buffers())}
+    clone = copy.deepcopy(backbone, memo=dict(shared))  # new modules, the same tensors: nothing is copied
+    converter, device = mode.fake_tensor_converter, torch.device(device_type)
+    for module in clone.modules():
+        for store in (module._parameters, module._buffers):
+            for name, t in store.items():
+                if t is None:
+                    continue
+                if t.is_meta:
+                    f = converter.from_meta_and_device(mode, t, device)
+                else:
+                    f = mode.from_tensor(t.detach())
+                store[name] = torch.nn.Parameter(f, t.requires_grad) if isinstance(t, torch.nn.Parameter) else f
+    return clone
+
+
+def _fake_inputs(backbone, batch: int, mode: FakeTensorMode):
+    dtype = next(backbone.parameters()).dtype
+    with mode:
+        x = torch.empty(batch, *backbone.latent_shape, dtype=dtype)
+        sigma = torch.empty(batch, dtype=dtype)
+        text = torch.empty(batch, *backbone.text_shape, dtype=dtype)
+        pooled = None if backbone.pooled_dim is None else torch.empty(batch, backbone.pooled_dim, dtype=dtype)
+    return x, sigma, Conditioning(text, pooled)
+
+
+def _tensor_bytes(values) -> int:
+    return sum(t.numel() * t.element_size() for t in torch.utils._pytree.tree_flatten(values)[0]
+               if isinstance(t, torch.Tensor))
+
+
+def _tokens(backbone) -> int:
+    """Tokens per row the blocks attend over."""
+    latent, text = backbone.latent_shape, backbone.text_shape[0]
+    patch = backbone.model.config.patch_size
+    if backbone.family == "flux":
+        return latent[1] * latent[2] // 4 + text
+    if backbone.family == "sd3":
+        return latent[1] * latent[2] // patch ** 2 + text
+    frames, spatial = (patch[0], patch[1] * patch[2])
+    return latent[1] // frames * latent[2] * latent[3] // spatial
+
+
+# ------------------------------------------------------------------------------------------- saved activations
+
+def _block_lists(model) -> list[tuple[str, torch.nn.ModuleList]]:
+    """The model's stacks of transformer blocks."""
+    return [(name, m) for name, m in model.named_children() if isinstance(m, torch.nn.ModuleList) and len(m)]
+
+
+def _kinds(blocks: torch.nn.ModuleList) -> dict[str, list[int]]:
+    """Block indices by kind: blocks with the same structure (modules, shapes) save the same tensors."""
+    kinds: dict[str, list[int]] = {}
+    for i, block in enumerate(blocks):
+        kinds.setdefault(repr(block), []).append(i)
+    return kinds
+
+
+def _with_blocks(fake, keep: dict[str, list[int]]):
+    """A shallow variant of ``fake`` whose block stacks hold the blocks ``keep`` lists (indices may repeat)."""
+    variant = copy.copy(fake)
+    model = copy.copy(fake.model)
+    model._modules = dict(model._modules)
+    for name, ids in keep.items():
+        blocks = fake.model._modules[name]
+        model._modules[name] = torch.nn.ModuleList([blocks[i] for i in ids])
+    variant._modules = {**fake._modules, "model": model}
+    return variant
