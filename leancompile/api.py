@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import copy
 import functools
+from dataclasses import dataclass
 
 import torch
 
@@ -13,6 +14,9 @@ from .protocol import check_protocol
 from .runtime.retain import RetainRuntime
 from .runtime.per_sample import trainable_linear_layers
 from .runtime.reweight import ReweightRuntime
+from .cost import planner as cost_planner
+from .cost.devices import get_device, live_device
+from .cost.scenario import trainer_scenario
 
 SCHEDULES = ("auto", "retain", "reweight", "native")
 
@@ -50,7 +54,8 @@ def _native_plan(config, requested: str, shared: str, reason: str, findings=()) 
     return Plan("native", requested, steps, "none", shared, "nothing", tuple(findings))
 
 
-def optimize(trainer, schedule: str = "auto", memory_budget: float | None = None, strict: bool = False):
+def optimize(trainer, schedule: str = "auto", memory_budget: float | None = None, strict: bool = False,
+             memory_limit: int | None = None, samples_per_step: int | None = None, device=None):
     """Return a trainer that runs the same GRPO step as ``trainer`` with the redundant backbone forward removed.
 
     Args:
@@ -63,6 +68,10 @@ def optimize(trainer, schedule: str = "auto", memory_budget: float | None = None
         memory_budget: the fraction (0, 1] of the backbone's saved activations a Retain partition may keep; below
             1 the min-cut partitioner recomputes the rest in the backward.
         strict: refuse reuse when the rollout's numerics differ from the update's (precision or casts).
+        memory_limit: bytes the auto planner may use on the device (default: its free memory less 10%).
+        samples_per_step: samples per GRPO step the auto planner plans for (default: one optimizer step's worth,
+            ``train_batch_size * gradient_accumulation_steps``).
+        device: a :class:`leancompile.cost.Device` or registered name to plan for (default: the live device).
 
     Returns:
         The optimized trainer, with ``.plan``, ``.graphs`` and ``.explain()``.
@@ -73,13 +82,18 @@ def optimize(trainer, schedule: str = "auto", memory_budget: float | None = None
         raise ValueError(f"memory_budget must be a fraction in (0, 1] of the saved activations; got {memory_budget!r}")
     if not isinstance(strict, bool):
         raise ValueError(f"strict must be True or False; got {strict!r}")
+    if memory_limit is not None and (not isinstance(memory_limit, int) or memory_limit <= 0):
+        raise ValueError(f"memory_limit must be a positive number of bytes; got {memory_limit!r}")
+    if samples_per_step is not None and (not isinstance(samples_per_step, int) or samples_per_step < 2):
+        raise ValueError(f"samples_per_step must be an integer >= 2; got {samples_per_step!r}")
+    budget = _Budget(memory_limit, samples_per_step, device)
     check_protocol(trainer)
     programs = passes.capture(trainer)
     if schedule == "native":
         plan = _native_plan(trainer.config, schedule, "not analysed", "schedule='native': the untransformed program")
         graphs, runtime = {"rollout": programs.rollout, "update": programs.update}, None
     else:
-        plan, graphs, runtime = _compile(trainer, programs, schedule, memory_budget, strict)
+        plan, graphs, runtime = _compile(trainer, programs, schedule, memory_budget, strict, budget)
     optimized = copy.copy(trainer)
     optimized.__class__ = optimized_class(type(trainer))
     optimized.plan = plan
@@ -88,7 +102,16 @@ def optimize(trainer, schedule: str = "auto", memory_budget: float | None = None
     return optimized
 
 
-def _compile(trainer, programs, requested: str, memory_budget, strict: bool):
+@dataclass(frozen=True)
+class _Budget:
+    """What the auto planner plans for."""
+
+    memory_limit: int | None
+    samples_per_step: int | None
+    device: object
+
+
+def _compile(trainer, programs, requested: str, memory_budget, strict: bool, budget: _Budget):
     """Run the passes in order; where one finds no valid reuse, the plan is native and says why."""
     config = trainer.config
     graphs = {"rollout": programs.rollout, "update": programs.update}
@@ -109,71 +132,74 @@ def _compile(trainer, programs, requested: str, memory_budget, strict: bool):
         return _native_plan(config, requested, description, reason, findings), graphs, None
     linearity = passes.check_linearity(programs.update)
     linear = trainable_linear_layers(trainer.backbone, trainer.trainable)[1]
-    use_reweight, choice = _choose_reweight(requested, config, linearity, linear, shared.cast_only)
+    refusal = _reweight_refusal(linearity, shared.cast_only)
+    steps, cost = (), None
+    if requested == "auto":
+        cost = _cost_plan(trainer, budget, refusal, linearity, linear)
+        auto = cost["auto"]
+        use_reweight, steps = auto.runs == "reweight", auto.steps if auto.runs == "retain" else ()
+        choice = (f"auto: planned on {cost.device} within {_gib(cost.budget)}: {auto.note}; predicted "
+                  + ", ".join(f"{e.schedule} {cost.speedup(e.schedule):.2f}x" + ("" if e.fits else " (does not fit)")
+                              for e in cost.estimates[:3]))
+        if auto.runs == "native":
+            return _native_plan(config, requested, description, choice, findings), graphs, None
+    elif requested == "reweight" and refusal is not None:
+        use_reweight, choice = False, refusal + " -> Retain"
+    else:
+        use_reweight, choice = requested == "reweight", f"schedule={requested!r} requested"
     if use_reweight:
         # Traced on first access: a second trace of the backbone, forward and backward, that only inspection reads.
         graphs = Graphs(rollout=functools.partial(passes.capture_provisional, trainer), update=programs.update,
                         rollout_traced=programs.rollout)
-        accumulate = functools.partial(_accumulators, config, bool(linearity.advantage_free))
+        accumulate = functools.partial(passes.reweight_buffers, config, bool(linearity.advantage_free))
         runtime = ReweightRuntime(trainer, shared.layout.segments, accumulate, bool(linearity.advantage_free))
         plan = Plan("reweight", requested, _steps(config, "reweight"), _reuse_window(config), description,
-                    "nothing", findings, _describe_linearity(linearity), _describe_buffers(config), choice)
+                    "nothing", findings, _describe_linearity(linearity), _describe_buffers(config), choice, cost)
         return plan, graphs, runtime
     need = passes.prune_gradient_need(programs.update, pair[0], shared.layout.segments)
     rewritten = passes.rewrite_for_retain(programs.rollout, programs.update, pair)
     graphs = {"rollout": rewritten.rollout, "update": rewritten.update,
               "rollout_traced": programs.rollout, "update_traced": programs.update}
     runtime = RetainRuntime(trainer.backbone, trainer.trainable, shared.layout.segments, need.needed,
-                            memory_budget or 1.0, verify_inputs=not shared.cast_only)
+                            memory_budget or 1.0, verify_inputs=not shared.cast_only, steps=steps)
     pruned = (f"segment(s) {list(need.pruned)} of the batch carry no gradient (e.g. a detached CFG branch): "
               "run without grad, not retained") if need.pruned else "nothing"
-    plan = Plan("retain", requested, _steps(config, "retain"), _reuse_window(config), description, pruned, findings,
-                _describe_linearity(linearity), "none", choice)
+    plan = Plan("retain", requested, _steps(config, "retain", steps), _reuse_window(config), description, pruned,
+                findings, _describe_linearity(linearity), "none", choice, cost)
     return plan, graphs, runtime
 
 
-def _choose_reweight(requested: str, config, linearity, linear: bool, cast_only: bool) -> tuple[bool, str]:
-    """Whether Reweight runs, and why (or why Retain does)."""
-    if requested == "retain":
-        return False, "schedule='retain' requested"
-    refusal = None
+def _reweight_refusal(linearity, cast_only: bool) -> str | None:
+    """Why Reweight cannot give the native gradient here (None if it can)."""
     if not linearity.affine:
-        refusal = f"Reweight refused: the loss is not affine in the advantages ({linearity.reason})"
-    elif not linearity.row_mean:
-        refusal = "Reweight refused: the loss sums over the micro-batch's rows; Reweight reads a mean"
-    elif cast_only:
-        refusal = "Reweight refused: the update's numerics differ from the rollout's (casts), so ratio != 1"
-    if refusal is not None:
-        return False, refusal + " -> Retain"
-    if requested == "reweight":
-        return True, "schedule='reweight' requested"
-    if linearity.advantage_free:
-        return False, (f"auto: the advantage-free terms ({', '.join(linearity.advantage_free)}) need a second "
-                       "backward per trained step in the rollout; Retain needs one")
-    if config.sample_batch_size != 1 and not linear:
-        return False, ("auto: per-sample gradients of these parameters (not all nn.Linear) cost one backward per "
-                       "sample of a rollout micro-batch; Retain needs one per micro-batch")
-    return True, ("auto: one backward per trained step in the rollout, then gradient buffers of the trainable "
-                  "weights instead of retained activations")
+        return f"Reweight refused: the loss is not affine in the advantages ({linearity.reason})"
+    if not linearity.row_mean:
+        return "Reweight refused: the loss sums over the micro-batch's rows; Reweight reads a mean"
+    if cast_only:
+        return "Reweight refused: the update's numerics differ from the rollout's (casts), so ratio != 1"
+    return None
 
 
-def _accumulators(config, has_free: bool, num_samples: int) -> tuple[bool, str]:
-    """Whether this step's Reweight may fold finished samples into per-group moments (see passes.moments)."""
-    inactive, bound = passes.clip_never_binds(config, num_samples)
-    if not inactive:
-        return False, f"per-sample buffers: {bound}"
-    tbs, ga = config.train_batch_size, config.gradient_accumulation_steps
-    if num_samples > ga * tbs:
-        return False, f"per-sample buffers: {num_samples} samples span more than the first optimizer step ({ga} x {tbs})"
-    if num_samples > tbs and num_samples % tbs:
-        return False, f"per-sample buffers: {num_samples} samples make micro-batches of unequal size ({tbs})"
-    per = 1 + has_free
-    in_flight = min(config.sample_batch_size or num_samples, num_samples) * per
-    folded = in_flight + (num_samples // config.group_size) * (2 + has_free)
-    if folded >= num_samples * per:
-        return False, (f"per-sample buffers: {num_samples * per} buffers; moments would hold {folded} "
-                       "(the rollout runs too many samples at once)")
-    return True, f"moment accumulators ({bound}): {folded} buffers instead of {num_samples * per}"
+def _cost_plan(trainer, budget: _Budget, refusal, linearity, linear: bool):
+    """The planner's predictions for this trainer on the device it runs on (or the one named)."""
+    config = trainer.config
+    samples = budget.samples_per_step or config.train_batch_size * config.gradient_accumulation_steps
+    samples = max(samples, config.group_size)
+    free = bool(linearity.advantage_free)
+    rollout_batch = min(config.sample_batch_size or samples, samples)
+    scenario = trainer_scenario(trainer, samples, reweight_refusal=refusal, advantage_free=free,
+                                per_sample_backwards=1 if linear or rollout_batch == 1 else rollout_batch,
+                                buffers=passes.reweight_buffers(config, free, samples).count)
+    device = budget.device
+    if device is None:
+        device = live_device(trainer.device.type)
+    elif isinstance(device, str):
+        device = get_device(device)
+    return cost_planner.plan(scenario, device, budget.memory_limit)
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2 ** 30:.2f} GiB"
 
 
 def _describe_buffers(config) -> str:
@@ -192,16 +218,25 @@ def _describe_linearity(linearity) -> str:
     return f"affine in the advantages at ratio 1 (ties proven: {ties}; advantage-free terms: {free})"
 
 
-def _steps(config, action: str) -> tuple[StepAction, ...]:
-    steps = []
+def _steps(config, action: str, planned: tuple[str, ...] = ()) -> tuple[StepAction, ...]:
+    """Per denoising step; ``planned`` is the planner's action per trained step, by position."""
+    steps, position = [], 0
     for i in range(config.num_steps):
         if config.trained_steps == "first" and i >= config.num_trained_steps:
             steps.append(StepAction(i, "no-grad", "never trained: the rollout runs it without grad"))
-        else:
-            trained = {"first": "trained by every sample", "random": "trained by the samples that draw it",
-                       "window": "trained when inside the SDE window"}[config.trained_steps]
-            how = ("the rollout keeps its activations for the micro-steps" if action == "retain" else
-                   "the rollout backpropagates it at a provisional advantage of 1, corrected for the micro-steps")
-            steps.append(StepAction(i, action, f"{trained}: {how} before the first optimizer step; later "
-                                    "micro-steps recompute"))
+            continue
+        trained = {"first": "trained by every sample", "random": "trained by the samples that draw it",
+                   "window": "trained when inside the SDE window"}[config.trained_steps]
+        this = planned[position] if position < len(planned) else action
+        position += 1
+        how = {"retain": "the rollout keeps its activations for the micro-steps",
+               "reweight": "the rollout backpropagates it at a provisional advantage of 1, corrected for the "
+                           "micro-steps",
+               "offload": "the rollout keeps its activations in host memory for the micro-steps",
+               "recompute": "retaining it does not fit the memory budget: the update recomputes it"}
+        reason = how.get(this) or (f"the rollout keeps a fraction {this.split('@')[1]} of its activations, the "
+                                   "backward recomputes the rest")
+        if this != "recompute":
+            reason += " before the first optimizer step; later micro-steps recompute"
+        steps.append(StepAction(i, this, f"{trained}: {reason}"))
     return tuple(steps)

@@ -22,7 +22,10 @@ def main(argv=None) -> int:
                          help="schedule passed to optimize() (default: auto)")
     explain.add_argument("--cfg", action="store_true", help="train with classifier-free guidance")
     explain.add_argument("--out", default="explain-out", help="output folder (default: explain-out)")
+    _plan_parser(sub)
     args = parser.parse_args(argv)
+    if args.command == "plan":
+        return _plan(args)
     if args.command == "demo":
         from . import demo as demo_module
 
@@ -44,6 +47,66 @@ def _explain(args) -> int:
     print(trainer.explain())
     path = report.write_html_report(trainer, Path(args.out) / "report.html")
     print(f"report: {path}")
+    return 0
+
+
+def _plan_parser(sub) -> None:
+    from .backbones.factory import REAL_MODELS
+    from .cost.devices import DEVICES
+
+    plan = sub.add_parser("plan", help="predict memory and speedup of native, retain, reweight and auto for a "
+                          "real-size model on a named GPU (nothing is downloaded or allocated)")
+    plan.add_argument("--model", choices=REAL_MODELS, required=True)
+    plan.add_argument("--gpu", default="h100-80gb", help=f"one of {', '.join(sorted(DEVICES))}, cpu or cuda (the "
+                      "live device) (default: h100-80gb)")
+    plan.add_argument("--trainer", choices=("flowgrpo", "dancegrpo"), default="dancegrpo")
+    plan.add_argument("--resolution", type=int, default=1024, help="pixels per side (default: 1024)")
+    plan.add_argument("--frames", type=int, default=81, help="video frames, Wan only (default: 81)")
+    plan.add_argument("--steps", type=int, default=16, help="denoising steps (default: 16)")
+    plan.add_argument("--timestep-fraction", type=float, default=0.6, help="fraction of steps trained (default: 0.6)")
+    plan.add_argument("--lora-rank", type=int, default=64, help="LoRA rank (default: 64)")
+    plan.add_argument("--full", action="store_true", help="full fine-tuning instead of LoRA")
+    plan.add_argument("--micro-batch", type=int, default=1, help="samples per rollout and update call (default: 1)")
+    plan.add_argument("--samples", type=int, default=8, help="samples per rank per GRPO step (default: 8)")
+    plan.add_argument("--cfg", type=float, default=1.0, help="guidance scale; > 1 doubles every call (default: 1)")
+    plan.add_argument("--kl", type=float, default=0.0, help="KL weight beta (default: 0)")
+    plan.add_argument("--world-size", type=int, default=1, help="ranks (default: 1)")
+    plan.add_argument("--sharding", choices=("fsdp", "ddp"), default="fsdp")
+    plan.add_argument("--budget", type=float, default=None, help="memory budget in GiB (default: the device's "
+                      "memory less a 10%% margin)")
+    plan.add_argument("--json", action="store_true", help="print JSON for scripts")
+    plan.add_argument("--plot", default=None, metavar="PNG", help="write a chart of memory by component")
+
+
+def _plan(args) -> int:
+    import json
+
+    from .cost import devices, planner, scenario
+
+    try:
+        s = scenario.model_scenario(args.model, trainer=args.trainer, resolution=args.resolution,
+                                    frames=args.frames, steps=args.steps, timestep_fraction=args.timestep_fraction,
+                                    lora_rank=None if args.full else args.lora_rank, micro_batch=args.micro_batch,
+                                    samples=args.samples, guidance_scale=args.cfg, beta=args.kl,
+                                    world_size=args.world_size, sharding=args.sharding)
+        device = devices.get_device(args.gpu)
+        budget = None if args.budget is None else int(args.budget * devices.GiB)
+        plan = planner.plan(s, device, budget)
+    except ValueError as error:
+        print(f"leancompile plan: {error}", file=sys.stderr)
+        return 2
+    if args.plot:
+        from .cost.chart import plot_plan
+
+        plot_plan(plan, Path(args.plot), title=f"{args.model} on {device.name}")
+    if args.json:
+        print(json.dumps({**plan.to_json(), "model": args.model, "settings": {
+            k: v for k, v in vars(args).items() if k not in ("command", "json", "plot")}}, indent=2))
+    else:
+        print(f"{args.model} ({args.trainer}, {'full' if args.full else f'LoRA r{args.lora_rank}'}, "
+              f"{args.resolution}px, {s.profile.tokens} tokens/row, {args.samples} samples/rank, "
+              f"world {args.world_size} {args.sharding})")
+        print(plan)
     return 0
 
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class StepAction:
     step: int
-    action: str  # "retain" | "reweight" | "recompute" | "native" | "no-grad"
+    action: str  # "retain" | "retain@f" | "offload" | "reweight" | "recompute" | "native" | "no-grad"
     reason: str
 
 
@@ -25,6 +25,7 @@ class Plan:
     linearity: str = "not analysed"  # whether the loss is affine in the advantages (what Reweight needs)
     buffers: str = "none"  # how Reweight holds its provisional gradients, and why
     choice: str = ""  # why this schedule rather than the others
+    cost: object = None  # the planner's predictions (a leancompile.cost.CostPlan) when auto chose
 
     def action(self, step: int) -> StepAction:
         return self.steps[step]
@@ -38,6 +39,8 @@ class Plan:
                  f"  buffers:         {self.buffers}",
                  f"  choice:          {self.choice}"]
         lines += [f"  finding:         {f}" for f in self.findings]
+        if self.cost is not None:
+            lines += ["  " + line for line in str(self.cost).splitlines()]
         lines.append(f"  {'step':>4}  {'action':<10} reason")
         lines += [f"  {a.step:>4}  {a.action:<10} {a.reason}" for a in self.steps]
         return "\n".join(lines)

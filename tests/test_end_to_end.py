@@ -18,7 +18,7 @@ def _trainer(schedule):
 
 def test_native_and_auto_train_the_digits_model_identically():
     native, auto = _trainer("native"), _trainer("auto")
-    assert auto.plan.schedule == "reweight"
+    assert auto.plan.schedule in ("retain", "reweight") and auto.plan.cost["auto"].runs == auto.plan.schedule
     prompts = [digits.NULL_CLASS] * 2
     for _ in range(4):
         n, a = native.step(prompts), auto.step(prompts)

@@ -128,7 +128,7 @@ def test_native_schedule_runs_the_untransformed_program():
 
 @pytest.mark.parametrize("schedule, action, marks", [
     ("retain", "retain", ("reused_backbone_out_from_rollout", "retain_backbone_out_for_update")),
-    ("auto", "reweight", ("provisional_grad_", "choice:          auto: one backward per trained step")),
+    ("reweight", "reweight", ("provisional_grad_", "choice:          schedule='reweight' requested")),
 ])
 def test_dancegrpo_plan_and_explain(schedule, action, marks):
     backbone = backbones.tiny("wan", seed=0)

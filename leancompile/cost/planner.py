@@ -228,7 +228,7 @@ def plan(s: Scenario, device: Device, budget: int | None = None) -> CostPlan:
     saved_s = g.window_calls * fwd_u * (1 + ckpt)
     saved_f = g.window_calls * g.update_rows * flops_f * (1 + ckpt)
     step_bytes = int((g.retained_rows * activations_per_row(s)).subs(values))
-    retain_transient = int(call_memory(s, False).subs({ROWS: max(g.rollout_rows, g.update_rows), **values}))
+    retain_transient = transient  # after the first optimizer step the update recomputes as native does
     retained = _estimate("retain", static, {"retained activations": g.eligible * step_bytes,
                                              "activations (one call)": retain_transient},
                          budget, native_s - g.eligible * saved_s, native_f - g.eligible * saved_f,
@@ -252,7 +252,7 @@ def _reweight(s, g, static, budget, native_s, native_f, fwd_u, bwd_u, device, va
     if s.reweight_refusal is not None:
         return Estimate("reweight", False, 0, (), math.inf, math.inf, note=s.reweight_refusal)
     backwards = (1 + s.advantage_free) * s.per_sample_backwards
-    buffer = s.trainable_params * s.trainable_bytes
+    buffer = s.trainable_params * s.trainable_bytes // (s.world_size if s.sharding == "fsdp" else 1)
     count = s.buffers if s.buffers is not None else g.window_samples * (1 + s.advantage_free)
     trained = g.window_samples * cfg.num_trained_steps
     segments = 2 if cfg.use_cfg else 1
@@ -273,37 +273,51 @@ def _reweight(s, g, static, budget, native_s, native_f, fwd_u, bwd_u, device, va
 
 def _auto(s, g, static, budget, native, reweight, step_bytes, transient, saved_s, saved_f, fwd_u,
           device) -> Estimate:
-    """The best per-step mix of retain / retain@f / offload / recompute, or Reweight, or native."""
+    """The best per-step mix of retain / retain@f / offload / recompute, or Reweight, or native.
+
+    A step retained at fraction f holds ``low + f * (full - low)`` bytes (``low``: what the partition keeps at
+    budget 0, the blocks' inputs) and saves ``ckpt + f`` update forwards (under native checkpointing the update
+    runs its forward twice; the partition recomputes ``1 - f`` of one). Both are linear in f, so the best mix
+    raises every step to f = 0 where that saves time, then fills whole steps to f = 1 while they fit.
+    """
+    ckpt = bool(s.config.gradient_checkpointing)
+    forward_s, forward_f = saved_s / (1 + ckpt), saved_f / (1 + ckpt)  # one window forward of one step
+    low = int(step_bytes * s.profile.checkpoint_bytes / max(s.profile.retained_bytes, 1)) if ckpt else 0
     room = budget - sum(static.values()) - transient
-    full = max(0, min(g.eligible, room // step_bytes if step_bytes else g.eligible))
-    left = room - full * step_bytes
-    steps = ["retain"] * full
-    seconds, flops = native.seconds - full * saved_s, native.flops - full * saved_f
-    held = full * step_bytes
-    offload = device.host_link is not None and 2 * step_bytes / device.host_link < saved_s
-    for _ in range(g.eligible - full):
-        fraction = left / step_bytes if step_bytes else 0.0
-        if _SMALLEST_PARTIAL <= fraction < 1 and not offload:
-            fraction = math.floor(fraction * 100) / 100
-            steps.append(f"retain@{fraction:.2f}")
-            # The partition saves f of the activations and recomputes the rest in the backward.
-            seconds -= saved_s - (1 - fraction) * g.window_calls * fwd_u
-            flops -= fraction * saved_f
-            held += int(fraction * step_bytes)
-            left = 0
-        elif offload:
+    offload_s = (1 + ckpt) * forward_s - 2 * step_bytes / device.host_link if device.host_link else -math.inf
+    fractions = [None] * g.eligible  # None: recompute
+    if ckpt and g.eligible * low <= room:
+        fractions = [0.0] * g.eligible
+        room -= g.eligible * low
+    for i in range(g.eligible):
+        start = fractions[i] or 0.0
+        cost = (step_bytes - low) * (1 - start) + (low if fractions[i] is None else 0)
+        if cost <= room:
+            fractions[i], room = 1.0, room - cost
+            continue
+        partial = (room - (low if fractions[i] is None else 0)) / max(step_bytes - low, 1)
+        if partial >= _SMALLEST_PARTIAL:
+            fractions[i] = math.floor(partial * 100) / 100
+            room = 0
+        break
+    steps, seconds, flops, held = [], native.seconds, native.flops, 0
+    for f in fractions:
+        gain = (ckpt + f) * forward_s if f is not None else 0.0
+        if offload_s > gain and (f is None or f < 1):
             steps.append("offload")
-            seconds -= saved_s - 2 * step_bytes / device.host_link
-            flops -= saved_f
-        else:
+            seconds -= offload_s
+            flops -= (1 + ckpt) * forward_f
+        elif f is None:
             steps.append("recompute")
+        else:
+            steps.append("retain" if f == 1 else f"retain@{f:.2f}")
+            seconds -= gain
+            flops -= (ckpt + f) * forward_f
+            held += int(low + f * (step_bytes - low))
     extra = {"retained activations": held, "activations (one call)": transient}
-    if steps.count("offload"):
-        extra["offloaded to host (not on device)"] = 0
-    mix = _estimate("auto", static, extra, budget, seconds, flops, tuple(steps), "retain",
-                    note=_describe(steps))
-    if full == 0 and not any(a != "recompute" for a in steps):
-        mix = None
+    mix = None
+    if any(a != "recompute" for a in steps):
+        mix = _estimate("auto", static, extra, budget, seconds, flops, tuple(steps), "retain", note=_describe(steps))
     options = [e for e in (mix, reweight) if e is not None and e.fits] + [native]
     best = min(options, key=lambda e: e.seconds)
     if best is native:
@@ -320,8 +334,8 @@ def _auto(s, g, static, budget, native, reweight, step_bytes, transient, saved_s
 def _describe(steps) -> str:
     counts = {}
     for a in steps:
-        counts[a.split("@")[0] + ("@f" if "@" in a else "")] = counts.get(a.split("@")[0], 0) + 1
-    return ", ".join(f"{a} {n} step(s)" for a, n in counts.items())
+        counts[a] = counts.get(a, 0) + 1
+    return ", ".join(f"{a} x{n}" for a, n in counts.items())
 
 
 def _limits(s: Scenario, g, base: int, budget: int, transient: int) -> tuple[tuple[str, str], ...]:

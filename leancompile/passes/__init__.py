@@ -8,12 +8,13 @@ from .backbone import SharedBackbone, detect_shared_backbone
 from .capture import BackboneCall, Programs, capture, capture_provisional
 from .gradients import GradientNeed, prune_gradient_need
 from .linearity import Linearity, check_linearity
-from .moments import advantage_bound, clip_never_binds, max_abs_advantage
+from .moments import BufferPlan, advantage_bound, clip_never_binds, max_abs_advantage, reweight_buffers
 from .rewrite import RewrittenPrograms, rewrite_for_retain
 from .validity import Validity, check_validity
 
 __all__ = [
     "BackboneCall",
+    "BufferPlan",
     "GradientNeed",
     "Linearity",
     "Programs",
@@ -29,5 +30,6 @@ __all__ = [
     "detect_shared_backbone",
     "max_abs_advantage",
     "prune_gradient_need",
+    "reweight_buffers",
     "rewrite_for_retain",
 ]

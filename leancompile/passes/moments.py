@@ -17,6 +17,7 @@ global std over ``N`` rewards: ``sqrt(N (G - 1) / G)``, unbiased ``sqrt((N - 1)(
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import sympy
 
@@ -50,3 +51,35 @@ def clip_never_binds(config, num_samples: int) -> tuple[bool, str]:
     return inactive, (f"|A| < {expr} = {bound:.3g} at G={config.group_size}" +
                       (f", N={num_samples}" if config.global_std else "") +
                       f": the clip at {config.adv_clip_max:g} {verdict}")
+
+
+class BufferPlan(NamedTuple):
+    """How Reweight holds one GRPO step's provisional gradients."""
+
+    accumulate: bool  # moment accumulators (True) or one buffer per sample
+    reason: str
+    count: int  # buffers held at the peak
+
+
+def reweight_buffers(config, has_free: bool, num_samples: int) -> BufferPlan:
+    """Whether this step's Reweight may fold finished samples into per-group moments, and how many buffers it
+    then holds (a sample with advantage-free loss terms needs a second buffer)."""
+    per = 1 + has_free
+    window = min(num_samples, config.gradient_accumulation_steps * config.train_batch_size)
+    inactive, bound = clip_never_binds(config, num_samples)
+    if not inactive:
+        return BufferPlan(False, f"per-sample buffers: {bound}", window * per)
+    tbs, ga = config.train_batch_size, config.gradient_accumulation_steps
+    if num_samples > ga * tbs:
+        return BufferPlan(False, f"per-sample buffers: {num_samples} samples span more than the first optimizer "
+                                 f"step ({ga} x {tbs})", window * per)
+    if num_samples > tbs and num_samples % tbs:
+        return BufferPlan(False, f"per-sample buffers: {num_samples} samples make micro-batches of unequal size "
+                                 f"({tbs})", window * per)
+    in_flight = min(config.sample_batch_size or num_samples, num_samples) * per
+    folded = in_flight + (num_samples // config.group_size) * (2 + has_free)
+    if folded >= num_samples * per:
+        return BufferPlan(False, f"per-sample buffers: {num_samples * per} buffers; moments would hold {folded} "
+                                 "(the rollout runs too many samples at once)", window * per)
+    return BufferPlan(True, f"moment accumulators ({bound}): {folded} buffers instead of {num_samples * per}",
+                      folded)

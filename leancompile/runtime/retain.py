@@ -9,6 +9,7 @@ the graphs are then freed, and later micro-steps recompute (the weights have cha
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 
 import torch
@@ -35,40 +36,77 @@ class RetainState(StepState):
     where: dict[tuple[int, int], tuple[int, int]] = field(default_factory=dict)  # (row, step) -> (call, position)
     pending: list[tuple[torch.Tensor, list[tuple[int, int]], int]] = field(default_factory=list)
     retained_bytes: int = 0
+    offloaded_bytes: int = 0
+    trained_steps: list[int] = field(default_factory=list)  # epoch 0's trained steps in order (the plan's positions)
 
 
 class RetainRuntime(Runtime):
     """Executes a Retain plan for one trainer's ``backbone`` and ``trainable`` weights. ``segments`` is the row
-    layout of the shared call's batch and ``grad_segments`` those the loss differentiates (from the passes)."""
+    layout of the shared call's batch and ``grad_segments`` those the loss differentiates (from the passes).
+
+    ``steps`` is the planner's action per trained step, by position among the step's trained denoising steps:
+    ``"retain"``, ``"retain@f"`` (the partition keeps a fraction f of the activations and recomputes the rest in
+    the backward), ``"offload"`` (the activations wait in host memory) or ``"recompute"`` (nothing is kept; the
+    update runs its forward). Positions past the list retain at ``memory_budget``.
+    """
 
     state_class = RetainState
 
     def __init__(self, backbone, trainable, segments: int, grad_segments: tuple[int, ...],
-                 memory_budget: float = 1.0, verify_inputs: bool = True):
+                 memory_budget: float = 1.0, verify_inputs: bool = True, steps: tuple[str, ...] = ()):
         super().__init__(trainable)
         # Off only when the passes matched the calls modulo casts: then the inputs differ by design.
         self.verify_inputs = verify_inputs
         self.segments = segments
         self.grad_segments = grad_segments
-        self.partitioned = PartitionedBackbone(backbone, memory_budget)
+        self.backbone = backbone
+        self.steps = tuple(steps)
+        self.memory_budget = memory_budget
+        self._partitions: dict[float, PartitionedBackbone] = {}
+        self.partitioned = self._partition(memory_budget)
+
+    def _partition(self, fraction: float) -> PartitionedBackbone:
+        """One partition per budget: the min-cut partitioner decides what to save when it compiles."""
+        if fraction not in self._partitions:
+            self._partitions[fraction] = PartitionedBackbone(self.backbone, fraction)
+        return self._partitions[fraction]
 
     def end_step(self) -> dict:
         self.state.kept.clear()  # nothing outlives its GRPO step
-        return {**super().end_step(), "retained_bytes": self.state.retained_bytes}
+        return {**super().end_step(), "retained_bytes": self.state.retained_bytes,
+                "offloaded_bytes": self.state.offloaded_bytes}
 
     # ------------------------------------------------------------------------------------------ rollout
 
-    def rollout_call(self, step: int, rows: torch.Tensor):
-        return self.kept_call(step, rows) if bool(self.trained_at(step, rows).any()) else None
+    def step_action(self, step: int) -> str:
+        """The plan's action for denoising step ``step`` in this GRPO step."""
+        state = self.state
+        if not state.trained_steps and state.schedule is not None:
+            state.trained_steps = sorted(set(state.schedule.flatten().tolist()))
+        if step not in state.trained_steps:
+            return "recompute"
+        position = state.trained_steps.index(step)
+        return self.steps[position] if position < len(self.steps) else f"retain@{self.memory_budget}"
 
-    def kept_call(self, step: int, rows: torch.Tensor):
+    def rollout_call(self, step: int, rows: torch.Tensor):
+        if not bool(self.trained_at(step, rows).any()):
+            return None
+        action = self.step_action(step)
+        if action == "recompute":
+            return None
+        fraction = float(action.split("@")[1]) if "@" in action else 1.0
+        return self.kept_call(step, rows, self._partition(fraction), offload=action == "offload")
+
+    def kept_call(self, step: int, rows: torch.Tensor, partitioned: PartitionedBackbone, offload: bool = False):
         """A callable with the backbone's signature that runs and keeps the rollout's call for ``(step, rows)``."""
+        saving = (torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available()) if offload
+                  else contextlib.nullcontext())
 
         def call(x, sigma, cond: Conditioning):
-            counter = SavedBytes(self.partitioned.resident)
+            counter = SavedBytes(partitioned.resident)
             if len(self.grad_segments) == self.segments:
-                with torch.enable_grad(), counter.counting():
-                    with_grad = self.partitioned(x, sigma, cond)
+                with torch.enable_grad(), counter.counting(), saving:
+                    with_grad = partitioned(x, sigma, cond)
                 values = with_grad.detach()
             else:
                 # Segments without gradient run without grad: the rollout keeps nothing for them.
@@ -78,12 +116,12 @@ class RetainRuntime(Runtime):
                     seg = torch.arange(s * b, (s + 1) * b, device=x.device)
                     args = (x[seg], sigma[seg], cond.index(seg))
                     if s in self.grad_segments:
-                        with torch.enable_grad(), counter.counting():
-                            grad_parts.append(self.partitioned(*args))
+                        with torch.enable_grad(), counter.counting(), saving:
+                            grad_parts.append(partitioned(*args))
                         parts.append(grad_parts[-1].detach())
                     else:
                         with torch.no_grad():
-                            parts.append(self.partitioned.backbone(*args))
+                            parts.append(partitioned.backbone(*args))
                 values = torch.cat(parts)
                 with torch.enable_grad():
                     with_grad = torch.cat(grad_parts) if len(grad_parts) > 1 else grad_parts[0]
@@ -91,7 +129,10 @@ class RetainRuntime(Runtime):
             self.remember_weights()
             index = len(state.kept)
             state.kept.append(KeptCall(rows.cpu(), x.detach(), values, with_grad))
-            state.retained_bytes += counter.total
+            if offload:
+                state.offloaded_bytes += counter.total
+            else:
+                state.retained_bytes += counter.total
             for position, row in enumerate(rows.tolist()):
                 state.where[(row, step)] = (index, position)
             return values
@@ -115,6 +156,9 @@ class RetainRuntime(Runtime):
             return refusal
         missing = [(r, s) for r, s in zip(micro.rows.tolist(), micro.steps.tolist()) if (r, s) not in self.state.where]
         if missing:
+            planned = sorted({s for _, s in missing if self.step_action(s) == "recompute"})
+            if planned:
+                return f"the plan recomputes step(s) {planned}: retaining them does not fit the memory budget"
             return f"rows/steps {missing[:3]} were not kept by the rollout"
         return None
 

@@ -126,7 +126,7 @@ class ReweightRuntime(Runtime):
         shuffle = torch.Generator().set_state(self.generator.get_state())
         s.window = set(torch.randperm(n, generator=shuffle)[:cfg.gradient_accumulation_steps * cfg.train_batch_size]
                        .tolist())
-        accumulate, reason = self.accumulate(n)
+        accumulate, reason, _ = self.accumulate(n)
         s.mode, s.mode_reason = ("accumulators" if accumulate else "per-sample"), reason
 
     def rollout_call(self, step: int, rows: torch.Tensor):
