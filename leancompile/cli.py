@@ -84,12 +84,12 @@ def _plan(args) -> int:
     from .cost import devices, planner, scenario
 
     try:
+        device = devices.get_device(args.gpu)
         s = scenario.model_scenario(args.model, trainer=args.trainer, resolution=args.resolution,
                                     frames=args.frames, steps=args.steps, timestep_fraction=args.timestep_fraction,
                                     lora_rank=None if args.full else args.lora_rank, micro_batch=args.micro_batch,
                                     samples=args.samples, guidance_scale=args.cfg, beta=args.kl,
                                     world_size=args.world_size, sharding=args.sharding)
-        device = devices.get_device(args.gpu)
         budget = None if args.budget is None else int(args.budget * devices.GiB)
         plan = planner.plan(s, device, budget)
     except ValueError as error:

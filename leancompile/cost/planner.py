@@ -150,10 +150,13 @@ def activations_per_row(s: Scenario) -> sympy.Expr:
     return sympy.Rational(s.profile.retained_bytes, s.profile.tokens) * TOKENS
 
 
-def call_memory(s: Scenario, checkpointing: bool) -> sympy.Expr:
-    """The activations of one update call in flight (rows = its batch)."""
-    if not checkpointing:
+def call_memory(s: Scenario, checkpointing: bool, partition: bool = False) -> sympy.Expr:
+    """The activations of one call in flight (rows = its batch): eager autograd's (the native update), the
+    partition's (Reweight's provisional call), or under checkpointing the blocks' inputs and one block."""
+    if partition:
         return ROWS * activations_per_row(s)
+    if not checkpointing:
+        return ROWS * sympy.Rational(s.profile.eager_bytes, s.profile.tokens) * TOKENS
     blocks = max(1, s.profile.blocks)
     per_row = sympy.Rational(s.profile.checkpoint_bytes + s.profile.retained_bytes // blocks, s.profile.tokens)
     return ROWS * per_row * TOKENS
@@ -264,7 +267,7 @@ def _reweight(s, g, static, budget, native_s, native_f, fwd_u, bwd_u, device, va
     flops = native_f - g.eligible * g.window_calls * g.update_rows * (
         s.profile.forward.total_flops * (1 + cfg.gradient_checkpointing)
         + s.profile.backward.total_flops * (1 - backwards))
-    transient = int(call_memory(s, False).subs({ROWS: g.rollout_rows, **values}))
+    transient = int(call_memory(s, False, partition=True).subs({ROWS: g.rollout_rows, **values}))
     return _estimate("reweight", static, {"gradient buffers": count * buffer, "kept outputs": kept,
                                           "activations (one call)": transient}, budget,
                      native_s - g.eligible * per_step + traffic, flops, ("reweight",) * g.eligible,

@@ -16,7 +16,9 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from ..backbones import Conditioning
-from ..runtime.partition import PartitionedBackbone
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from ..runtime.partition import PartitionedBackbone, SavedBytes
 from .workload import Workload, WorkloadCounter
 
 
@@ -27,6 +29,7 @@ class CallProfile:
     batch: int
     tokens: int  # sequence length the blocks see (image/video tokens plus text tokens where they are joint)
     retained_bytes: int  # activations the partition saves for the backward (the weights excluded)
+    eager_bytes: int  # activations eager autograd saves (the native update's call)
     checkpoint_bytes: int  # what activation checkpointing keeps instead: the blocks' inputs
     blocks: int  # transformer blocks (checkpointing recomputes one at a time)
     forward: Workload  # forward with grad (the rollout's no-grad forward runs the same operators)
@@ -58,26 +61,29 @@ def profile_call(backbone, autocast: torch.dtype | None = None, device_type: str
                 variant = _measure_call(_with_blocks(fake, {**firsts, name: sorted(firsts[name] + [second])}),
                                         args, mode)
                 total = total + (variant - base) * more
-    return CallProfile(1, _tokens(fake), total.retained, total.checkpoint, blocks, total.forward, total.backward)
+    return CallProfile(1, _tokens(fake), total.retained, total.eager, total.checkpoint, blocks, total.forward,
+                       total.backward)
 
 
 @dataclass(frozen=True)
 class _Measured:
     retained: int
+    eager: int
     checkpoint: int
     forward: Workload
     backward: Workload
 
     def __add__(self, other):
-        return _Measured(self.retained + other.retained, self.checkpoint + other.checkpoint,
-                         self.forward + other.forward, self.backward + other.backward)
+        return _Measured(*(a + b for a, b in zip(self._fields(), other._fields())))
 
     def __sub__(self, other):
-        return _Measured(self.retained - other.retained, self.checkpoint - other.checkpoint,
-                         self.forward - other.forward, self.backward - other.backward)
+        return _Measured(*(a - b for a, b in zip(self._fields(), other._fields())))
 
     def __mul__(self, times: int):
-        return _Measured(self.retained * times, self.checkpoint * times, self.forward * times, self.backward * times)
+        return _Measured(*(a * times for a in self._fields()))
+
+    def _fields(self):
+        return self.retained, self.eager, self.checkpoint, self.forward, self.backward
 
 
 def _measure_call(fake, args, mode) -> _Measured:
@@ -87,8 +93,10 @@ def _measure_call(fake, args, mode) -> _Measured:
                                            with_kwargs=True)
                for _, blocks in _block_lists(fake.model) for b in blocks]
     counter = WorkloadCounter()
+    eager = SavedBytes(frozenset(StorageWeakRef(t.untyped_storage()) for t in (*fake.parameters(), *fake.buffers())),
+                       storage_key=lambda t: StorageWeakRef(t.untyped_storage()))
     try:
-        with mode, counter:
+        with mode, counter, eager.counting():
             out = fake(*args)
     finally:
         for h in handles:
@@ -100,7 +108,7 @@ def _measure_call(fake, args, mode) -> _Measured:
         torch.autograd.grad(out, trainable or [args[0]], torch.ones_like(out), allow_unused=True)
     with mode:
         retained = PartitionedBackbone(fake).saved_bytes(*args)
-    return _Measured(retained, sum(block_inputs), forward, counter.workload())
+    return _Measured(retained, eager.total, sum(block_inputs), forward, counter.workload())
 
 
 # ------------------------------------------------------------------------------------------------ fake model

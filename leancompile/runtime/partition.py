@@ -24,19 +24,24 @@ from ..backbones import Conditioning
 @dataclass
 class SavedBytes:
     """Bytes of the tensors autograd saved for backward while the counter was active, not counting tensors that
-    share storage with ``resident`` ones (the weights, which stay in memory anyway)."""
+    share storage with ``resident`` ones (the weights, which stay in memory anyway). Hooks already active (e.g.
+    ``save_on_cpu``, a memory tracker) still see every tensor: the counter hands them on."""
 
-    resident: frozenset = frozenset()  # storage pointers of the weights and buffers
+    resident: frozenset = frozenset()  # storage keys of the weights and buffers
     total: int = 0
+    storage_key: object = staticmethod(lambda t: t.untyped_storage().data_ptr())  # fake tensors: a weak ref
 
     @contextlib.contextmanager
     def counting(self):
-        def pack(t):
-            if t.untyped_storage().data_ptr() not in self.resident:
-                self.total += t.numel() * t.element_size()
-            return t
+        outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        outer_pack, outer_unpack = outer if outer is not None else (lambda t: t, lambda t: t)
 
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        def pack(t):
+            if self.storage_key(t) not in self.resident:
+                self.total += t.numel() * t.element_size()
+            return outer_pack(t)
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, outer_unpack):
             yield
 
 

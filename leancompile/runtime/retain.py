@@ -105,7 +105,7 @@ class RetainRuntime(Runtime):
         def call(x, sigma, cond: Conditioning):
             counter = SavedBytes(partitioned.resident)
             if len(self.grad_segments) == self.segments:
-                with torch.enable_grad(), counter.counting(), saving:
+                with torch.enable_grad(), saving, counter.counting():
                     with_grad = partitioned(x, sigma, cond)
                 values = with_grad.detach()
             else:
@@ -116,7 +116,7 @@ class RetainRuntime(Runtime):
                     seg = torch.arange(s * b, (s + 1) * b, device=x.device)
                     args = (x[seg], sigma[seg], cond.index(seg))
                     if s in self.grad_segments:
-                        with torch.enable_grad(), counter.counting(), saving:
+                        with torch.enable_grad(), saving, counter.counting():
                             grad_parts.append(partitioned(*args))
                         parts.append(grad_parts[-1].detach())
                     else:

@@ -1,0 +1,137 @@
+"""The cost model and planner: devices, profiles on fake tensors, predictions against measurements on tiny CPU
+configurations, the budget, and ``leancompile plan``."""
+import json
+import statistics
+import time
+
+import pytest
+import torch
+
+from leancompile import backbones, optimize, passes
+from leancompile.cli import main as cli
+from leancompile.cost import DEVICES, get_device, live_device, plan, profile_call, trainer_scenario
+from leancompile.cost.measure import LiveSavedTensors, static_bytes
+from leancompile.cost.profile import _fake_copy, _fake_inputs, _measure_call
+from leancompile.trainers import DanceGRPOConfig, FlowGRPOConfig
+
+from conftest import PromptTable, mean_reward
+
+PROMPTS = [1, 2]
+
+
+def _trainer(config, family="flux", **sizes):
+    from leancompile.trainers import DanceGRPOTrainer, FlowGRPOTrainer
+
+    backbone = backbones.tiny(family, seed=0, **sizes)
+    prompts = PromptTable(backbone)
+    cls = FlowGRPOTrainer if config.algorithm == "flowgrpo" else DanceGRPOTrainer
+    return cls(config, backbone, mean_reward, prompts, uncond=prompts.uncond if config.use_cfg else None)
+
+
+def _cost(trainer, limit=None, samples=None):
+    cfg = trainer.config
+    samples = samples or len(PROMPTS) * cfg.group_size
+    s = trainer_scenario(trainer, samples, buffers=passes.reweight_buffers(cfg, False, samples).count)
+    return plan(s, live_device("cpu"), limit)
+
+
+def test_the_registry_lists_the_vendor_figures_and_the_live_cpu():
+    for name in ("a100-40gb", "a100-80gb", "h100-80gb", "h200-141gb", "rtx-a6000", "l40s", "rtx-4090", "b200-180gb"):
+        d = DEVICES[name]
+        assert d.memory >= 24 * 2 ** 30 and d.bandwidth > 5e11 and d.host_link > 0 and d.source.startswith("NVIDIA")
+        assert d.peak_flops(torch.bfloat16) > d.peak_flops(torch.float32)
+    cpu = live_device("cpu")
+    assert 0 < cpu.free <= cpu.memory and cpu.host_link is None and cpu.peak_flops(torch.float64) > 0
+    with pytest.raises(ValueError, match="gpu: unknown device 'h1000'"):
+        get_device("h1000")
+
+
+@pytest.mark.parametrize("family, depth", [("flux", dict(num_layers=3, num_single_layers=4)),
+                                           ("sd3", dict(num_layers=5, dual_attention_layers=(0, 1))),
+                                           ("wan", dict(num_layers=5))])
+def test_profiles_multiply_out_block_kinds_exactly(family, depth):
+    backbone = backbones.tiny(family, **depth).requires_grad_(True)
+    extrapolated = profile_call(backbone)
+    mode = torch._subclasses.fake_tensor.FakeTensorMode(allow_non_fake_inputs=True)
+    fake = _fake_copy(backbone, mode, "cpu")
+    whole = _measure_call(fake, _fake_inputs(fake, 1, mode), mode)
+    assert extrapolated.retained_bytes == whole.retained > 0
+    assert extrapolated.forward == whole.forward and extrapolated.backward == whole.backward
+    assert extrapolated.checkpoint_bytes == whole.checkpoint
+
+
+@pytest.mark.parametrize("family, config", [
+    ("flux", FlowGRPOConfig(num_steps=4, group_size=2, train_batch_size=2, gradient_accumulation_steps=2)),
+    ("sd3", FlowGRPOConfig(num_steps=3, group_size=2, guidance_scale=2.0, lora_rank=None)),
+    ("wan", DanceGRPOConfig(num_steps=5, group_size=2, gradient_accumulation_steps=4)),
+])
+def test_predicted_retained_and_buffer_bytes_are_within_ten_percent_of_measured(family, config):
+    cost = _cost(_trainer(config, family))
+    retained = optimize(_trainer(config, family), "retain").step(PROMPTS)["retained_bytes"]
+    predicted = dict(cost["retain"].components)["retained activations"]
+    assert abs(predicted - retained) <= 0.1 * retained
+    stats = optimize(_trainer(config, family), "reweight").step(PROMPTS)
+    predicted = dict(cost["reweight"].components)["gradient buffers"]
+    assert abs(predicted - stats["buffer_bytes"]) <= 0.1 * stats["buffer_bytes"]
+
+
+def _interleaved_seconds(programs, repetitions=5):
+    for trainer in programs.values():
+        trainer.step(PROMPTS)  # compiles partitions, warms caches
+    times = {name: [] for name in programs}
+    for _ in range(repetitions):
+        for name, trainer in programs.items():
+            start = time.process_time()  # one thread: CPU time is the wall time without other load
+            trainer.step(PROMPTS)
+            times[name].append(time.process_time() - start)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def test_predicted_speedup_is_within_fifteen_percent_of_measured():
+    config = FlowGRPOConfig(num_steps=6, timestep_fraction=0.99, group_size=2, train_batch_size=2,
+                            gradient_accumulation_steps=2)
+    sizes = dict(attention_head_dim=32, num_attention_heads=4, joint_attention_dim=64, axes_dims_rope=(8, 12, 12),
+                 num_layers=1, num_single_layers=1, height=16, width=16, text_len=16)
+    cost = _cost(_trainer(config, **sizes))
+    seconds = _interleaved_seconds({s: optimize(_trainer(config, **sizes), s) for s in ("native", "retain")})
+    measured = seconds["native"] / seconds["retain"]
+    assert abs(cost.speedup("retain") - measured) <= 0.15 * measured, (cost.speedup("retain"), measured)
+
+
+def test_under_a_budget_that_cannot_retain_every_step_auto_fits_and_is_fastest():
+    config = FlowGRPOConfig(num_steps=6, timestep_fraction=0.99, group_size=2, train_batch_size=2,
+                            gradient_accumulation_steps=2, lora_rank=None, sample_batch_size=2)
+    free = optimize(_trainer(config), samples_per_step=4).plan.cost
+    native, retain = free["native"], free["retain"]
+    limit = native.peak_bytes + (retain.peak_bytes - native.peak_bytes) // 2
+    auto = optimize(_trainer(config), memory_limit=limit, samples_per_step=4)
+    cost = auto.plan.cost
+    assert not cost["retain"].fits and cost["auto"].fits and cost["auto"].peak_bytes <= limit
+    assert auto.plan.schedule == cost["auto"].runs
+    # Measured: the peak of what autograd holds (retained activations included), plus what Reweight keeps
+    # outside it, plus the static memory.
+    tracker = LiveSavedTensors.of(auto)
+    with tracker.tracking():
+        stats = auto.step(PROMPTS)
+    held = stats.get("buffer_bytes", 0) + stats.get("kept_output_bytes", 0)
+    assert stats.get("retained_bytes", 0) <= tracker.peak
+    assert static_bytes(auto) + tracker.peak + held <= limit
+    fitting = [s for s in ("native", "retain", "reweight") if cost[s].fits]
+    programs = {"auto": auto, **{s: optimize(_trainer(config), s) for s in fitting}}
+    seconds = _interleaved_seconds(programs, repetitions=3)
+    assert seconds["auto"] <= min(seconds[s] for s in fitting) * 1.03, seconds
+
+
+def test_leancompile_plan_prints_a_table_and_json(capsys):
+    assert cli(["plan", "--model", "wan2.1-1.3b", "--gpu", "rtx-4090", "--resolution", "256", "--frames", "9",
+                "--trainer", "flowgrpo", "--steps", "10", "--timestep-fraction", "0.99", "--cfg", "4.5",
+                "--samples", "4", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert set(out["schedules"]) == {"native", "retain", "reweight", "auto"}
+    for estimate in out["schedules"].values():
+        assert {"fits", "peak_bytes", "speedup"} <= set(estimate)
+    auto = out["schedules"]["auto"]
+    assert auto["fits"] and auto["peak_bytes"] <= out["budget_bytes"]
+    assert auto["speedup"] >= max(e["speedup"] for e in out["schedules"].values() if e["fits"]) - 1e-9
+    assert cli(["plan", "--model", "wan2.1-1.3b", "--gpu", "h1000"]) == 2
+    assert "unknown device 'h1000'" in capsys.readouterr().err
