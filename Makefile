@@ -26,6 +26,7 @@ BENCH_MALLOC := MALLOC_MMAP_THRESHOLD_=4294967296 MALLOC_TRIM_THRESHOLD_=6871947
 
 bench: $(VENV)/.installed
 	$(BENCH_MALLOC) $(PY) -m benchmarks $(if $(FULL),--full,)
+	$(BENCH_MALLOC) $(PY) -m pytest -m timing tests/test_cost.py
 
 clean:
 	rm -rf $(VENV) demo-out bench-out

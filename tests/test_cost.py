@@ -87,10 +87,13 @@ def _interleaved_seconds(programs, repetitions=5):
     return {name: statistics.median(t) for name, t in times.items()}
 
 
+@pytest.mark.timing
 def test_predicted_speedup_is_within_fifteen_percent_of_measured():
     config = FlowGRPOConfig(num_steps=6, timestep_fraction=0.99, group_size=2, train_batch_size=2,
                             gradient_accumulation_steps=2)
-    sizes = dict(attention_head_dim=32, num_attention_heads=4, joint_attention_dim=64, axes_dims_rope=(8, 12, 12),
+    # The benchmark's Flux size: at smaller widths the per-operator cost of autograd dominates and the model, which
+    # charges every operator one launch cost, underestimates what removing the forward saves.
+    sizes = dict(attention_head_dim=64, num_attention_heads=4, joint_attention_dim=64, axes_dims_rope=(8, 28, 28),
                  num_layers=1, num_single_layers=1, height=16, width=16, text_len=16)
     cost = _cost(_trainer(config, **sizes))
     seconds = _interleaved_seconds({s: optimize(_trainer(config, **sizes), s) for s in ("native", "retain")})
@@ -98,9 +101,12 @@ def test_predicted_speedup_is_within_fifteen_percent_of_measured():
     assert abs(cost.speedup("retain") - measured) <= 0.15 * measured, (cost.speedup("retain"), measured)
 
 
-def test_under_a_budget_that_cannot_retain_every_step_auto_fits_and_is_fastest():
-    config = FlowGRPOConfig(num_steps=6, timestep_fraction=0.99, group_size=2, train_batch_size=2,
-                            gradient_accumulation_steps=2, lora_rank=None, sample_batch_size=2)
+_BUDGET_CONFIG = FlowGRPOConfig(num_steps=6, timestep_fraction=0.99, group_size=2, train_batch_size=2,
+                                gradient_accumulation_steps=2, lora_rank=None, sample_batch_size=2)
+
+
+def test_under_a_budget_that_cannot_retain_every_step_auto_fits():
+    config = _BUDGET_CONFIG
     free = optimize(_trainer(config), samples_per_step=4).plan.cost
     native, retain = free["native"], free["retain"]
     limit = native.peak_bytes + (retain.peak_bytes - native.peak_bytes) // 2
@@ -116,9 +122,18 @@ def test_under_a_budget_that_cannot_retain_every_step_auto_fits_and_is_fastest()
     held = stats.get("buffer_bytes", 0) + stats.get("kept_output_bytes", 0)
     assert stats.get("retained_bytes", 0) <= tracker.peak
     assert static_bytes(auto) + tracker.peak + held <= limit
+
+
+@pytest.mark.timing
+def test_under_that_budget_auto_is_no_slower_than_the_fastest_schedule_that_fits():
+    config = _BUDGET_CONFIG
+    free = optimize(_trainer(config), samples_per_step=4).plan.cost
+    limit = free["native"].peak_bytes + (free["retain"].peak_bytes - free["native"].peak_bytes) // 2
+    auto = optimize(_trainer(config), memory_limit=limit, samples_per_step=4)
+    cost = auto.plan.cost
     fitting = [s for s in ("native", "retain", "reweight") if cost[s].fits]
     programs = {"auto": auto, **{s: optimize(_trainer(config), s) for s in fitting}}
-    seconds = _interleaved_seconds(programs, repetitions=3)
+    seconds = _interleaved_seconds(programs, repetitions=5)
     assert seconds["auto"] <= min(seconds[s] for s in fitting) * 1.03, seconds
 
 

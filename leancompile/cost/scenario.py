@@ -53,17 +53,19 @@ def model_scenario(name: str, *, trainer: str = "dancegrpo", resolution: int = 1
                    sharding: str = "fsdp") -> Scenario:
     """A real model (architecture only, on the meta device) trained in bf16 with float32 trainable weights,
     gradients and AdamW moments (mixed precision as FlowGRPO and DanceGRPO run it), ``samples`` per rank per
-    GRPO step in micro-batches of ``micro_batch`` and one optimizer step per rollout."""
+    GRPO step in micro-batches of ``micro_batch`` and one optimizer step per rollout; the group spans the ranks
+    (every rank samples the same prompt)."""
     if trainer not in TRAINERS:
         raise ValueError(f"trainer must be one of {sorted(TRAINERS)}; got {trainer!r}")
-    if samples < 2 or samples % micro_batch:
-        raise ValueError(f"samples must be >= 2 and a multiple of micro_batch={micro_batch}; got {samples}")
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1; got {world_size}")
+    if samples < 1 or samples * world_size < 2 or samples % micro_batch:
+        raise ValueError(f"samples must be a multiple of micro_batch={micro_batch} and a group of at least 2 over "
+                         f"all ranks; got {samples} per rank on {world_size}")
     if sharding not in ("ddp", "fsdp"):
         raise ValueError(f"sharding must be 'ddp' or 'fsdp'; got {sharding!r}")
     options = dict(num_steps=steps, timestep_fraction=timestep_fraction, guidance_scale=guidance_scale, beta=beta,
-                   group_size=samples, train_batch_size=micro_batch, sample_batch_size=micro_batch,
+                   group_size=samples * world_size, train_batch_size=micro_batch, sample_batch_size=micro_batch,
                    gradient_accumulation_steps=samples // micro_batch, lora_rank=lora_rank, ema=ema)
     if gradient_checkpointing is not None:
         options["gradient_checkpointing"] = gradient_checkpointing
