@@ -17,10 +17,11 @@ def test_examples_run(capsys):
     custom_trainer.main()
     optimize_digits.main(steps=1)
     out = capsys.readouterr().out
-    # the custom loss has an advantage-free term (Reweight would need a second backward): auto picks Retain;
-    # the digits trainer's loss has none: auto picks Reweight
+    # the custom loss has an advantage-free term (Reweight would need a second backward): the planner predicts
+    # Retain faster; for the digits trainer it prints its predictions and the rewritten graphs of its choice
     assert "schedule=retain" in out
-    assert "schedule=reweight" in out and "provisional_grad_" in out and "sum_scaled_buffers_" in out
+    assert out.count("planned on cpu") == 2 and "per trained step:" in out
+    assert "retain_backbone_out_for_update" in out or "provisional_grad_" in out
 
 
 def test_a_custom_loss_with_two_backbone_calls_keeps_the_native_gradient():

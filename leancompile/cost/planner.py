@@ -16,9 +16,8 @@ they fit, one step partially with what is left, and offloads or recomputes the r
 """
 from __future__ import annotations
 
-import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import sympy
 import torch
@@ -76,7 +75,6 @@ class CostPlan:
     budget: int
     estimates: tuple[Estimate, ...]
     limits: tuple[tuple[str, str], ...] = ()
-    extra: tuple[tuple[str, object], ...] = field(default=())
 
     def __getitem__(self, schedule: str) -> Estimate:
         for e in self.estimates:
@@ -95,10 +93,12 @@ class CostPlan:
                 "schedules": {e.schedule: {"fits": e.fits, "peak_bytes": e.peak_bytes,
                                            "speedup": round(self.speedup(e.schedule), 4),
                                            "flop_ideal_speedup": round(self.flop_ideal(e.schedule), 4),
-                                           "step_seconds": e.seconds, "components": dict(e.components),
+                                           # A refused schedule has no time: JSON has no infinity.
+                                           "step_seconds": e.seconds if math.isfinite(e.seconds) else None,
+                                           "components": dict(e.components),
                                            "steps": list(e.steps), "runs": e.runs or e.schedule, "note": e.note}
                               for e in self.estimates},
-                "limits": dict(self.limits), **dict(self.extra)}
+                "limits": dict(self.limits)}
 
     def __str__(self) -> str:
         names = [name for name, _ in self["native"].components]
