@@ -231,15 +231,14 @@ def plan(s: Scenario, device: Device, budget: int | None = None) -> CostPlan:
     saved_s = g.window_calls * fwd_u * (1 + ckpt)
     saved_f = g.window_calls * g.update_rows * flops_f * (1 + ckpt)
     step_bytes = int((g.retained_rows * activations_per_row(s)).subs(values))
-    retain_transient = transient  # after the first optimizer step the update recomputes as native does
+    # Retain's update recomputes as native does after the first optimizer step: the same call in flight.
     retained = _estimate("retain", static, {"retained activations": g.eligible * step_bytes,
-                                             "activations (one call)": retain_transient},
+                                             "activations (one call)": transient},
                          budget, native_s - g.eligible * saved_s, native_f - g.eligible * saved_f,
                          ("retain",) * g.eligible, note=f"every trained step keeps {_gib(step_bytes)}")
     reweight = _reweight(s, g, static, budget, native_s, native_f, fwd_u, bwd_u, device, values)
-    auto = _auto(s, g, static, budget, native, reweight, step_bytes, retain_transient, saved_s, saved_f,
-                 fwd_u, device)
-    limits = _limits(s, g, base, budget, retain_transient)
+    auto = _auto(s, g, static, budget, native, reweight, step_bytes, transient, saved_s, saved_f, device)
+    limits = _limits(s, g, base, budget)
     return CostPlan(device.name, budget, (native, retained, reweight, auto), limits)
 
 
@@ -274,8 +273,7 @@ def _reweight(s, g, static, budget, native_s, native_f, fwd_u, bwd_u, device, va
                      note=f"{count} gradient buffers of {_gib(buffer)}")
 
 
-def _auto(s, g, static, budget, native, reweight, step_bytes, transient, saved_s, saved_f, fwd_u,
-          device) -> Estimate:
+def _auto(s, g, static, budget, native, reweight, step_bytes, transient, saved_s, saved_f, device) -> Estimate:
     """The best per-step mix of retain / retain@f / offload / recompute, or Reweight, or native.
 
     A step retained at fraction f holds ``low + f * (full - low)`` bytes (``low``: what the partition keeps at
@@ -341,13 +339,13 @@ def _describe(steps) -> str:
     return ", ".join(f"{a} x{n}" for a, n in counts.items())
 
 
-def _limits(s: Scenario, g, base: int, budget: int, transient: int) -> tuple[tuple[str, str], ...]:
-    """Feasibility boundaries solved from the memory model."""
+def _limits(s: Scenario, g, base: int, budget: int) -> tuple[tuple[str, str], ...]:
+    """Feasibility boundaries of retaining whole steps, solved from the memory model."""
     held = g.retained_rows * activations_per_row(s)
-    total = base + transient + STEPS * held
+    total = base + call_memory(s, bool(s.config.gradient_checkpointing)).subs(ROWS, g.update_rows) + STEPS * held
     steps = sympy.solve(sympy.Eq(total.subs(TOKENS, s.profile.tokens), budget), STEPS)
     most = int(math.floor(steps[0])) if steps else 0
-    tokens = sympy.solve(sympy.Eq((base + g.eligible * held + g.rollout_rows * activations_per_row(s)), budget), TOKENS)
+    tokens = sympy.solve(sympy.Eq(total.subs(STEPS, g.eligible), budget), TOKENS)
     limit = int(math.floor(tokens[0])) if tokens else 0
     return (("retained steps that fit (solved)", f"{max(0, min(most, g.eligible))} of {g.eligible}"
              + (f" (memory allows {most})" if most > g.eligible else "")),

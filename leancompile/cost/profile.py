@@ -24,9 +24,8 @@ from .workload import Workload, WorkloadCounter
 
 @dataclass(frozen=True)
 class CallProfile:
-    """One backbone call over ``batch`` rows."""
+    """One backbone call over one row (activations and FLOPs scale with the rows; launches do not)."""
 
-    batch: int
     tokens: int  # sequence length the blocks see (image/video tokens plus text tokens where they are joint)
     retained_bytes: int  # activations the partition saves for the backward (the weights excluded)
     eager_bytes: int  # activations eager autograd saves (the native update's call)
@@ -61,7 +60,7 @@ def profile_call(backbone, autocast: torch.dtype | None = None, device_type: str
                 variant = _measure_call(_with_blocks(fake, {**firsts, name: sorted(firsts[name] + [second])}),
                                         args, mode)
                 total = total + (variant - base) * more
-    return CallProfile(1, _tokens(fake), total.retained, total.eager, total.checkpoint, blocks, total.forward,
+    return CallProfile(_tokens(fake), total.retained, total.eager, total.checkpoint, blocks, total.forward,
                        total.backward)
 
 
