@@ -1,5 +1,5 @@
-"""``python -m benchmarks [--full] [--out DIR]``: Retain and Reweight against the native program on tiny Flux, SD3
-and Wan."""
+"""``python -m benchmarks [--full] [--out DIR]``: Retain, Reweight and auto against the native program on tiny Flux,
+SD3 and Wan under three schedules of the originals, with LoRA and full fine-tuning."""
 from __future__ import annotations
 
 import argparse
@@ -9,14 +9,14 @@ from pathlib import Path
 
 import torch
 
-from .cases import FAMILIES, TRAINERS, cases
+from .cases import FAMILIES, TRAINERS, TUNINGS, cases
 from .measure import measure_case
-
-SCHEDULES = ("retain", "reweight")
 from .report import machine_line, markdown_table, write_results
 
-QUICK_REPETITIONS = 9
-FULL_REPETITIONS = 10
+SCHEDULES = ("retain", "reweight", "auto")
+
+QUICK_REPETITIONS = 3
+FULL_REPETITIONS = 7
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -28,6 +28,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--backbones", nargs="+", choices=FAMILIES, default=list(FAMILIES))
     parser.add_argument("--trainers", nargs="+", choices=TRAINERS, default=list(TRAINERS))
     parser.add_argument("--schedules", nargs="+", choices=SCHEDULES, default=list(SCHEDULES))
+    parser.add_argument("--tunings", nargs="+", choices=TUNINGS, default=None,
+                        help="lora and/or full (default: lora; both with --full)")
     args = parser.parse_args(argv)
     if args.repetitions is not None and args.repetitions < 1:
         parser.error(f"--repetitions must be >= 1; got {args.repetitions}")
@@ -35,7 +37,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def progress(row: dict, seconds: float) -> str:
-    return (f"{row['backbone']}/{row['trainer']}/{row['schedule']}: speedup {row['speedup']:.2f}x, ideal {row['ideal_speedup']:.2f}x, "
+    return (f"{row['backbone']}/{row['trainer']}/{row['tuning']}/{row['schedule']}: speedup {row['speedup']:.2f}x, ideal {row['ideal_speedup']:.2f}x, "
             f"ratio {row['ratio']:.2f} ({seconds:.0f} s)")
 
 
@@ -45,7 +47,8 @@ def main(argv=None) -> int:
     torch.set_num_threads(1)
     repetitions = args.repetitions or (FULL_REPETITIONS if args.full else QUICK_REPETITIONS)
     start, rows = time.perf_counter(), []
-    for case in cases(full=args.full, families=args.backbones, trainers=args.trainers):
+    tunings = args.tunings or (list(TUNINGS) if args.full else ["lora"])
+    for case in cases(full=args.full, families=args.backbones, trainers=args.trainers, tunings=tunings):
         case_start = time.perf_counter()
         case_rows = measure_case(case, repetitions, tuple(args.schedules))
         rows += case_rows

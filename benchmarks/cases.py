@@ -6,10 +6,13 @@ from dataclasses import dataclass, field
 from leancompile.trainers import DanceGRPOConfig, FlowGRPOConfig, GRPOConfig
 
 FAMILIES = ("flux", "sd3", "wan")
-TRAINERS = ("flowgrpo", "dancegrpo")
+# The originals' schedules: FlowGRPO on SD3.5 (10 steps, the first 9 trained, CFG, KL), FlowGRPO-Fast / MixGRPO
+# (SDE and training only inside a window of 3 steps), DanceGRPO (16 steps, 9 random per sample, micro-batch 1,
+# activation checkpointing in native).
+TRAINERS = ("flowgrpo", "fast", "dancegrpo")
+TUNINGS = ("lora", "full")
 PROMPTS = (1, 2)
 GROUP_SIZE = 2
-NUM_STEPS = 6
 
 # Wider than the test defaults (hidden size 256, 64 image tokens) so that each aten op does enough work for the
 # per-op Python cost of eager and compiled execution alike to stay small; at hidden size 32 that cost is most of
@@ -27,32 +30,43 @@ _QUICK_SIZES = {
 
 @dataclass(frozen=True)
 class Case:
-    """One row of the results: a backbone family at some size, trained by one trainer."""
+    """One row group of the results: a backbone family at some size, trained by one schedule of the originals."""
 
     backbone: str
-    trainer: str
+    trainer: str  # "flowgrpo" | "fast" | "dancegrpo"
     config: GRPOConfig
     sizes: dict = field(default_factory=dict)  # overrides of ``leancompile.backbones.tiny``
     prompts: tuple[int, ...] = PROMPTS
     seed: int = 0
 
     @property
+    def tuning(self) -> str:
+        return "lora" if self.config.lora_rank is not None else "full"
+
+    @property
+    def algorithm(self) -> str:
+        return self.config.algorithm
+
+    @property
     def name(self) -> str:
-        return f"{self.backbone}/{self.trainer}"
+        return f"{self.backbone}/{self.trainer}/{self.tuning}"
 
 
-def trainer_config(trainer: str, num_samples: int, seed: int = 0) -> GRPOConfig:
-    """A trainer's config with exactly one optimizer step per rollout: Retain reuses the rollout until the first
-    optimizer step, so this is the configuration where it removes every re-forward."""
+def trainer_config(trainer: str, num_samples: int, tuning: str = "lora", seed: int = 0) -> GRPOConfig:
+    """A schedule's config with exactly one optimizer step per rollout: reuse serves the micro-steps before the
+    first optimizer step, so this is the configuration where it removes every re-forward."""
+    lora = {"lora_rank": 4 if tuning == "lora" else None}
     if trainer == "flowgrpo":
-        # timestep_fraction 0.99 trains the first int(0.99 * S) = S - 1 steps of every sample.
-        return FlowGRPOConfig(num_steps=NUM_STEPS, timestep_fraction=0.99, guidance_scale=1.0, group_size=GROUP_SIZE,
-                              train_batch_size=num_samples // 2, gradient_accumulation_steps=2, seed=seed)
+        return FlowGRPOConfig(num_steps=10, timestep_fraction=0.99, guidance_scale=4.5, beta=0.04,
+                              group_size=GROUP_SIZE, train_batch_size=num_samples // 2, gradient_accumulation_steps=2,
+                              seed=seed, **lora)
+    if trainer == "fast":
+        return FlowGRPOConfig(num_steps=10, trained_steps="window", sde_window_size=3, sde_window_range=(0, 6),
+                              group_size=GROUP_SIZE, train_batch_size=num_samples // 2, gradient_accumulation_steps=2,
+                              seed=seed, **lora)
     if trainer == "dancegrpo":
-        # DanceGRPO's own defaults otherwise: random steps per sample, micro-batch 1 in the rollout and the update,
-        # and gradient checkpointing, which the native update pays for and the optimized schedules do not.
-        return DanceGRPOConfig(num_steps=NUM_STEPS, group_size=GROUP_SIZE, train_batch_size=1, sample_batch_size=1,
-                               gradient_accumulation_steps=num_samples, seed=seed)
+        return DanceGRPOConfig(num_steps=16, group_size=GROUP_SIZE, train_batch_size=1, sample_batch_size=1,
+                               gradient_accumulation_steps=num_samples, seed=seed, **lora)
     raise ValueError(f"trainer must be one of {TRAINERS}; got {trainer!r}")
 
 
@@ -63,9 +77,10 @@ def backbone_sizes(family: str, full: bool = False) -> dict:
     return sizes
 
 
-def cases(full: bool = False, families=FAMILIES, trainers=TRAINERS, smallest: bool = False) -> list[Case]:
-    """The benchmark's rows; ``smallest`` keeps the tiny defaults (for tests of the machinery)."""
+def cases(full: bool = False, families=FAMILIES, trainers=TRAINERS, tunings=TUNINGS,
+          smallest: bool = False) -> list[Case]:
+    """The benchmark's row groups; ``smallest`` keeps the tiny defaults (for tests of the machinery)."""
     num_samples = len(PROMPTS) * GROUP_SIZE
-    return [Case(family, trainer, trainer_config(trainer, num_samples),
+    return [Case(family, trainer, trainer_config(trainer, num_samples, tuning),
                  {} if smallest else backbone_sizes(family, full))
-            for family in families for trainer in trainers]
+            for family in families for trainer in trainers for tuning in tunings]

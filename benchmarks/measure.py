@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import gc
+from collections import Counter
 import math
 import statistics
 import time
@@ -24,7 +25,11 @@ def build_trainer(case: Case):
     """A native trainer for ``case``; two calls give trainers with equal weights and generators."""
     backbone = backbones.tiny(case.backbone, seed=case.seed, **case.sizes)
     reward = ProjectionReward(backbone.latent_shape, seed=case.seed)
-    return _TRAINERS[case.trainer](case.config, backbone, reward, RandomPrompts(backbone, NUM_PROMPTS, seed=case.seed))
+    uncond = None
+    prompts = RandomPrompts(backbone, NUM_PROMPTS, seed=case.seed)
+    if case.config.use_cfg:
+        uncond = prompts.uncond
+    return _TRAINERS[case.algorithm](case.config, backbone, reward, prompts, uncond=uncond)
 
 
 def build_programs(case: Case, schedules: tuple[str, ...]) -> dict:
@@ -32,7 +37,7 @@ def build_programs(case: Case, schedules: tuple[str, ...]) -> dict:
     programs = {"native": leancompile.optimize(build_trainer(case), schedule="native")}
     for schedule in schedules:
         programs[schedule] = leancompile.optimize(build_trainer(case), schedule=schedule)
-        if programs[schedule].plan.schedule != schedule:
+        if schedule != "auto" and programs[schedule].plan.schedule != schedule:
             raise RuntimeError(f"{case.name}: optimize did not run {schedule}:\n{programs[schedule].plan}")
     return programs
 
@@ -121,10 +126,19 @@ def timing_fields(native_times: list[Timing], optimized_times: list[Timing]) -> 
     }
 
 
-def measure_case(case: Case, repetitions: int, schedules: tuple[str, ...] = ("retain", "reweight")) -> list[dict]:
+def describe_actions(steps) -> str:
+    """A plan's actions per trained step, counted: ``retain x7, retain@0.40 x1, recompute x1``."""
+    counts = Counter(a.action for a in steps if a.action != "no-grad")
+    return ", ".join(f"{action} x{n}" for action, n in counts.items())
+
+
+def measure_case(case: Case, repetitions: int, schedules: tuple[str, ...] = ("retain", "reweight", "auto")
+                 ) -> list[dict]:
     """One row per schedule. Every program runs the same sequence of steps (warm-up, timed, FLOP-counted), so
-    their weights must agree with the native program's at the end."""
+    their weights must agree with the native program's at the end. The planner's predictions come from an auto
+    compilation of the same trainer (on this CPU, for this step's samples)."""
     programs = build_programs(case, schedules)
+    cost = (programs["auto"] if "auto" in programs else leancompile.optimize(build_trainer(case))).plan.cost
     prompts = list(case.prompts)
     for trainer in programs.values():
         timed_step(trainer, prompts)  # compiles the partitioned backbone, traces the correction
@@ -134,7 +148,12 @@ def measure_case(case: Case, repetitions: int, schedules: tuple[str, ...] = ("re
     rows = []
     for schedule in schedules:
         optimized, s = programs[schedule], stats[schedule]
-        row = {"backbone": case.backbone, "trainer": case.trainer, "schedule": schedule,
+        plan = optimized.plan
+        row = {"backbone": case.backbone, "trainer": case.trainer, "tuning": case.tuning, "schedule": schedule,
+               "runs": plan.schedule,
+               # auto: the program it runs and its action per trained step
+               "plan": describe_actions(plan.steps) if schedule == "auto" else "",
+               "predicted_speedup": cost.speedup(schedule) if cost is not None else None,
                **timing_fields(times["native"], times[schedule]),
                "ideal_speedup": flops["native"] / flops[schedule],
                "native_flops": flops["native"],
@@ -142,6 +161,7 @@ def measure_case(case: Case, repetitions: int, schedules: tuple[str, ...] = ("re
                # what the schedule holds from the rollout to the update: activations (retain), gradient buffers and
                # the backbone's kept inputs and outputs (reweight)
                "held_bytes": s.get("retained_bytes", s.get("buffer_bytes", 0) + s.get("kept_output_bytes", 0)),
+               "offloaded_bytes": s.get("offloaded_bytes", 0),
                "buffer_mode": s.get("buffer_mode", "-"),
                "reused_micro_steps": s["reused_micro_steps"],
                "recomputed_micro_steps": s["recomputed_micro_steps"],
@@ -151,4 +171,8 @@ def measure_case(case: Case, repetitions: int, schedules: tuple[str, ...] = ("re
                "sizes": dict(case.sizes)}
         row["ratio"] = row["speedup"] / row["ideal_speedup"]
         rows.append(row)
+    singles = [r["speedup"] for r in rows if r["schedule"] in ("retain", "reweight")]
+    for row in rows:
+        if row["schedule"] == "auto" and singles:
+            row["auto_vs_best"] = row["speedup"] / max(singles)  # the floor is 0.97 (3% slower than the best)
     return rows

@@ -10,19 +10,29 @@ import torch
 
 _COLUMNS = (
     ("backbone", "backbone", "{}"),
-    ("trainer", "trainer", "{}"),
-    ("schedule", "schedule", "{}"),
+    ("schedule of", "trainer", "{}"),
+    ("tuning", "tuning", "{}"),
+    ("program", "schedule", "{}"),
     ("native s", "native_seconds", "{:.3f}"),
     ("optimized s", "optimized_seconds", "{:.3f}"),
     ("speedup", "speedup", "{:.2f}x"),
     ("ideal (FLOPs)", "ideal_speedup", "{:.2f}x"),
     ("measured/ideal", "ratio", "{:.2f}"),
+    ("predicted", "predicted_speedup", "{:.2f}x"),
+    ("auto/best", "auto_vs_best", "{:.2f}"),
     ("CPU-time speedup", "cpu_speedup", "{:.2f}x"),
     ("held MiB", "held_bytes", "{:.2f}"),
     ("buffers", "buffer_mode", "{}"),
+    ("auto's plan", "plan", "{}"),
     ("max rel weight diff", "max_rel_weight_diff", "{:.1e}"),
     ("reps", "repetitions", "{}"),
+    ("paper (8xA6000)", "paper", "{}"),
 )
+
+# LeanGRPO's reported speedups over native for the matching model and schedule (8x RTX A6000, FSDP2); the
+# schedule "fast" has no reported counterpart.
+PAPER = {("sd3", "flowgrpo"): "up to 1.83x (SD3.5-M)", ("flux", "dancegrpo"): "1.26-1.47x LoRA; full 1.18-1.81x",
+         ("wan", "dancegrpo"): "1.22-1.49x (Wan 1.3B-14B)"}
 
 
 def machine_line() -> str:
@@ -31,7 +41,9 @@ def machine_line() -> str:
 
 
 def _cell(row: dict, key: str, fmt: str) -> str:
-    value = row[key]
+    value = PAPER.get((row["backbone"], row["trainer"]), "-") if key == "paper" else row.get(key)
+    if value is None or value == "":
+        return "-"
     return fmt.format(value / 2**20 if key == "held_bytes" else value)
 
 
@@ -47,7 +59,8 @@ def results_markdown(rows: list[dict], machine: str) -> str:
             "speedup = median native step / median optimized step (wall clock, interleaved round-robin); ideal = FLOPs "
             "of a native step / FLOPs of an optimized step; CPU-time speedup uses this process's CPU time instead of "
             "wall clock; held = what the schedule keeps from the rollout to the update (retain: saved activations, "
-            "reweight: gradient buffers).\n\n"
+            "reweight: gradient buffers); predicted = the planner's speedup for this CPU; auto/best = auto's speedup "
+            "over the better of retain and reweight; auto's plan = its program and action per trained step.\n\n"
             f"{machine}\n")
 
 
@@ -56,4 +69,28 @@ def write_results(rows: list[dict], out: Path, machine: str) -> tuple[Path, Path
     json_path, md_path = out / "results.json", out / "results.md"
     json_path.write_text(json.dumps(rows, indent=2) + "\n")
     md_path.write_text(results_markdown(rows, machine))
+    plot_speedups(rows, out / "results.png")
     return json_path, md_path
+
+
+def plot_speedups(rows: list[dict], path: Path) -> Path:
+    """Measured speedup per row against its FLOP-ideal speedup."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [f"{r['backbone']}/{r['trainer']}/{r.get('tuning', '')}/{r['schedule']}" for r in rows]
+    fig, ax = plt.subplots(figsize=(max(6, 0.35 * len(rows)), 4))
+    xs = range(len(rows))
+    ax.bar(xs, [r["speedup"] for r in rows], label="measured")
+    ax.scatter(xs, [r["ideal_speedup"] for r in rows], color="black", marker="_", s=200, label="FLOP-ideal",
+               zorder=3)
+    ax.axhline(1.0, color="grey", linewidth=0.8)
+    ax.set_xticks(list(xs), labels, rotation=90, fontsize=7)
+    ax.set_ylabel("speedup over native")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

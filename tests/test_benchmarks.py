@@ -16,14 +16,15 @@ from benchmarks import cases, measure_case  # noqa: E402
 from benchmarks.measure import max_rel_weight_diff  # noqa: E402
 from benchmarks.report import machine_line, write_results  # noqa: E402
 
-FIELDS = {"backbone": str, "trainer": str, "schedule": str, "speedup": float, "ideal_speedup": float,
+FIELDS = {"backbone": str, "trainer": str, "tuning": str, "schedule": str, "runs": str, "plan": str,
+          "predicted_speedup": float, "speedup": float, "ideal_speedup": float,
           "ratio": float, "held_bytes": int, "buffer_mode": str, "native_seconds": float, "optimized_seconds": float,
           "repetitions": int, "max_rel_weight_diff": float}
 
 
 @pytest.fixture(scope="module")
 def rows():
-    case = cases(families=["sd3"], trainers=["flowgrpo"], smallest=True)[0]
+    case = cases(families=["sd3"], trainers=["fast"], tunings=["lora"], smallest=True)[0]
     return measure_case(case, repetitions=1)
 
 
@@ -33,15 +34,18 @@ def row(rows):
 
 
 def test_rows_have_the_promised_fields(rows):
-    assert [r["schedule"] for r in rows] == ["retain", "reweight"]
+    assert [r["schedule"] for r in rows] == ["retain", "reweight", "auto"]
     for row in rows:
         for key, kind in FIELDS.items():
             assert isinstance(row[key], kind), key
-        assert (row["backbone"], row["trainer"], row["repetitions"]) == ("sd3", "flowgrpo", 1)
+        assert (row["backbone"], row["trainer"], row["tuning"], row["repetitions"]) == ("sd3", "fast", "lora", 1)
         assert row["ratio"] == pytest.approx(row["speedup"] / row["ideal_speedup"])
         assert row["ideal_speedup"] > 1 and row["held_bytes"] > 0
         assert row["reused_micro_steps"] > 0 and row["recomputed_micro_steps"] == 0
     assert rows[0]["buffer_mode"] == "-" and rows[1]["buffer_mode"] in ("per-sample", "accumulators")
+    auto = rows[2]
+    assert auto["runs"] in ("retain", "reweight") and auto["plan"] and auto["auto_vs_best"] > 0
+    assert all(action in auto["plan"] for action in [auto["runs"]]) or "@" in auto["plan"]
 
 
 def test_every_schedule_trains_the_same_weights_as_native(rows):
@@ -50,9 +54,10 @@ def test_every_schedule_trains_the_same_weights_as_native(rows):
 
 def test_results_are_written_as_json_and_markdown(row, tmp_path):
     json_path, md_path = write_results([row], tmp_path / "out", machine_line())
-    assert json.loads(json_path.read_text())[0]["trainer"] == "flowgrpo"
+    assert json.loads(json_path.read_text())[0]["trainer"] == "fast"
     text = md_path.read_text()
-    assert "| sd3 | flowgrpo |" in text and "torch " + torch.__version__ in text
+    assert "| sd3 | fast | lora | retain |" in text and "torch " + torch.__version__ in text
+    assert (json_path.parent / "results.png").read_bytes()[:4] == b"\x89PNG"
 
 
 def test_a_diverged_run_never_counts_as_equal():

@@ -263,8 +263,12 @@ def _reweight(s, g, static, budget, native_s, native_f, fwd_u, bwd_u, device, va
     # each (sample, step) adds its gradient into a buffer (read, add, write) and the correction reads them all.
     per_step = g.window_calls * (fwd_u * (1 + cfg.gradient_checkpointing) + bwd_u * (1 - backwards))
     traffic = (3 * trained + 2 * count) * buffer / device.bandwidth
+    # A KL term's reference forward runs in every loss head: once per provisional advantage in the rollout and
+    # again in the update's (no-grad) head, where native runs it once.
+    heads = (cfg.beta > 0) * (1 + s.advantage_free)
+    per_step -= g.window_calls * heads * fwd_u
     flops = native_f - g.eligible * g.window_calls * g.update_rows * (
-        s.profile.forward.total_flops * (1 + cfg.gradient_checkpointing)
+        s.profile.forward.total_flops * (1 + cfg.gradient_checkpointing - heads)
         + s.profile.backward.total_flops * (1 - backwards))
     transient = int(call_memory(s, False, partition=True).subs({ROWS: g.rollout_rows, **values}))
     return _estimate("reweight", static, {"gradient buffers": count * buffer, "kept outputs": kept,
