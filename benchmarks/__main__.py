@@ -10,8 +10,9 @@ from pathlib import Path
 import torch
 
 from .cases import FAMILIES, TRAINERS, TUNINGS, cases
+from .equivalence import train_side_by_side
 from .measure import measure_case
-from .report import machine_line, markdown_table, write_results
+from .report import equivalence_markdown, machine_line, markdown_table, write_results
 
 SCHEDULES = ("retain", "reweight", "auto")
 
@@ -28,6 +29,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--backbones", nargs="+", choices=FAMILIES, default=list(FAMILIES))
     parser.add_argument("--trainers", nargs="+", choices=TRAINERS, default=list(TRAINERS))
     parser.add_argument("--schedules", nargs="+", choices=SCHEDULES, default=list(SCHEDULES))
+    parser.add_argument("--equivalence-steps", type=int, default=20,
+                        help="GRPO steps of the native-vs-auto training run on digits, float64 and bf16 (0: skip)")
     parser.add_argument("--tunings", nargs="+", choices=TUNINGS, default=None,
                         help="lora and/or full (default: lora; both with --full)")
     args = parser.parse_args(argv)
@@ -54,9 +57,13 @@ def main(argv=None) -> int:
         rows += case_rows
         for row in case_rows:
             print(progress(row, time.perf_counter() - case_start), file=sys.stderr, flush=True)
+    equivalence = [train_side_by_side(args.equivalence_steps, precision) for precision in ("float64", "bf16")
+                   if args.equivalence_steps > 0]
     machine = machine_line()
-    json_path, md_path = write_results(rows, args.out, machine)
+    json_path, md_path = write_results(rows, args.out, machine, equivalence)
     print(markdown_table(rows))
+    if equivalence:
+        print(equivalence_markdown(equivalence))
     print(machine)
     print(f"wrote {json_path} and {md_path} in {time.perf_counter() - start:.0f} s")
     return 0

@@ -54,8 +54,18 @@ def markdown_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def results_markdown(rows: list[dict], machine: str) -> str:
-    return (f"{markdown_table(rows)}\n\n"
+def equivalence_markdown(runs: list[dict]) -> str:
+    lines = ["| precision | GRPO steps | auto runs | micro-steps reused | max reward difference | weight rel. error |",
+             "|---|---|---|---|---|---|"]
+    lines += [f"| {r['precision']} | {r['steps']} | {r['auto_runs']} | {r['reused_micro_steps']} | "
+              f"{r['max_reward_diff']:.1e} | {r['weight_rel_error']:.1e} |" for r in runs]
+    return "\n".join(lines)
+
+
+def results_markdown(rows: list[dict], machine: str, equivalence: list[dict] = ()) -> str:
+    runs = (f"Native and auto trained side by side on the digits task (weights' error relative to native's total "
+            f"update):\n\n{equivalence_markdown(equivalence)}\n\n") if equivalence else ""
+    return (f"{markdown_table(rows)}\n\n{runs}"
             "speedup = median native step / median optimized step (wall clock, interleaved round-robin); ideal = FLOPs "
             "of a native step / FLOPs of an optimized step; CPU-time speedup uses this process's CPU time instead of "
             "wall clock; held = what the schedule keeps from the rollout to the update (retain: saved activations, "
@@ -64,11 +74,13 @@ def results_markdown(rows: list[dict], machine: str) -> str:
             f"{machine}\n")
 
 
-def write_results(rows: list[dict], out: Path, machine: str) -> tuple[Path, Path]:
+def write_results(rows: list[dict], out: Path, machine: str, equivalence: list[dict] = ()) -> tuple[Path, Path]:
     out.mkdir(parents=True, exist_ok=True)
     json_path, md_path = out / "results.json", out / "results.md"
     json_path.write_text(json.dumps(rows, indent=2) + "\n")
-    md_path.write_text(results_markdown(rows, machine))
+    if equivalence:
+        (out / "equivalence.json").write_text(json.dumps(list(equivalence), indent=2) + "\n")
+    md_path.write_text(results_markdown(rows, machine, equivalence))
     plot_speedups(rows, out / "results.png")
     return json_path, md_path
 
