@@ -29,11 +29,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--backbones", nargs="+", choices=FAMILIES, default=list(FAMILIES))
     parser.add_argument("--trainers", nargs="+", choices=TRAINERS, default=list(TRAINERS))
     parser.add_argument("--schedules", nargs="+", choices=SCHEDULES, default=list(SCHEDULES))
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
+    parser.add_argument("--precision", choices=("float32", "bf16"), default="float32",
+                        help="bf16: autocast around the backbone, float32 weights (default: float32)")
     parser.add_argument("--equivalence-steps", type=int, default=20,
                         help="GRPO steps of the native-vs-auto training run on digits, float64 and bf16 (0: skip)")
     parser.add_argument("--tunings", nargs="+", choices=TUNINGS, default=None,
                         help="lora and/or full (default: lora; both with --full)")
     args = parser.parse_args(argv)
+    if args.device not in ("cpu", "cuda"):
+        parser.error(f"--device must be cpu or cuda; got {args.device!r}")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA device is available here")
     if args.repetitions is not None and args.repetitions < 1:
         parser.error(f"--repetitions must be >= 1; got {args.repetitions}")
     return args
@@ -51,7 +58,8 @@ def main(argv=None) -> int:
     repetitions = args.repetitions or (FULL_REPETITIONS if args.full else QUICK_REPETITIONS)
     start, rows = time.perf_counter(), []
     tunings = args.tunings or (list(TUNINGS) if args.full else ["lora"])
-    for case in cases(full=args.full, families=args.backbones, trainers=args.trainers, tunings=tunings):
+    for case in cases(full=args.full, families=args.backbones, trainers=args.trainers, tunings=tunings,
+                      device=args.device, precision=args.precision):
         case_start = time.perf_counter()
         case_rows = measure_case(case, repetitions, tuple(args.schedules))
         rows += case_rows

@@ -1,7 +1,7 @@
 """What the benchmark runs: backbone sizes and the two trainers' configurations."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from leancompile.trainers import DanceGRPOConfig, FlowGRPOConfig, GRPOConfig
 
@@ -38,6 +38,7 @@ class Case:
     sizes: dict = field(default_factory=dict)  # overrides of ``leancompile.backbones.tiny``
     prompts: tuple[int, ...] = PROMPTS
     seed: int = 0
+    device: str = "cpu"
 
     @property
     def tuning(self) -> str:
@@ -77,10 +78,12 @@ def backbone_sizes(family: str, full: bool = False) -> dict:
     return sizes
 
 
-def cases(full: bool = False, families=FAMILIES, trainers=TRAINERS, tunings=TUNINGS,
-          smallest: bool = False) -> list[Case]:
-    """The benchmark's row groups; ``smallest`` keeps the tiny defaults (for tests of the machinery)."""
+def cases(full: bool = False, families=FAMILIES, trainers=TRAINERS, tunings=TUNINGS, smallest: bool = False,
+          device: str = "cpu", precision: str = "float32") -> list[Case]:
+    """The benchmark's row groups; ``smallest`` keeps the tiny defaults (for tests of the machinery);
+    ``precision="bf16"`` runs the backbone under bf16 autocast over float32 weights (as on a GPU)."""
     num_samples = len(PROMPTS) * GROUP_SIZE
-    return [Case(family, trainer, trainer_config(trainer, num_samples, tuning),
-                 {} if smallest else backbone_sizes(family, full))
+    numerics = {"mixed_precision": "bf16"} if precision == "bf16" else {}
+    return [Case(family, trainer, replace(trainer_config(trainer, num_samples, tuning), **numerics),
+                 {} if smallest else backbone_sizes(family, full), device=device)
             for family in families for trainer in trainers for tuning in tunings]

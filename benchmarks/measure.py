@@ -2,12 +2,13 @@
 from __future__ import annotations
 
 import gc
-from collections import Counter
 import math
 import statistics
 import time
+from collections import Counter
 from dataclasses import dataclass
 
+import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 import leancompile
@@ -23,7 +24,7 @@ _TRAINERS = {"flowgrpo": FlowGRPOTrainer, "dancegrpo": DanceGRPOTrainer}
 
 def build_trainer(case: Case):
     """A native trainer for ``case``; two calls give trainers with equal weights and generators."""
-    backbone = backbones.tiny(case.backbone, seed=case.seed, **case.sizes)
+    backbone = backbones.tiny(case.backbone, seed=case.seed, **case.sizes).to(case.device)
     reward = ProjectionReward(backbone.latent_shape, seed=case.seed)
     uncond = None
     prompts = RandomPrompts(backbone, NUM_PROMPTS, seed=case.seed)
@@ -46,14 +47,22 @@ def build_programs(case: Case, schedules: tuple[str, ...]) -> dict:
 class Timing:
     wall: float
     cpu: float  # this process's CPU time: on one thread, what the wall time would be without other load
+    peak: int | None = None  # CUDA: the allocator's peak during the step
 
 
 def timed_step(trainer, prompts) -> tuple[Timing, dict]:
     # Collect before the clock starts so that a collection of the previous step's garbage is not billed here.
     gc.collect()
+    cuda = trainer.device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
     wall, cpu = time.perf_counter(), time.process_time()
     stats = trainer.step(prompts)
-    return Timing(time.perf_counter() - wall, time.process_time() - cpu), stats
+    if cuda:
+        torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() if cuda else None
+    return Timing(time.perf_counter() - wall, time.process_time() - cpu, peak), stats
 
 
 def interleaved_times(programs: dict, prompts, repetitions: int) -> tuple[dict, dict]:
@@ -123,6 +132,9 @@ def timing_fields(native_times: list[Timing], optimized_times: list[Timing]) -> 
         "optimized_cpu_seconds": optimized_cpu,
         "native_times": [t.wall for t in native_times],
         "optimized_times": [t.wall for t in optimized_times],
+        # measured where the device has an allocator to ask (CUDA); None on the CPU
+        "native_peak_bytes": max((t.peak for t in native_times if t.peak is not None), default=None),
+        "peak_bytes": max((t.peak for t in optimized_times if t.peak is not None), default=None),
     }
 
 

@@ -22,6 +22,7 @@ _COLUMNS = (
     ("auto/best", "auto_vs_best", "{:.2f}"),
     ("CPU-time speedup", "cpu_speedup", "{:.2f}x"),
     ("held MiB", "held_bytes", "{:.2f}"),
+    ("peak MiB", "peak_bytes", "{:.1f}"),
     ("buffers", "buffer_mode", "{}"),
     ("auto's plan", "plan", "{}"),
     ("max rel weight diff", "max_rel_weight_diff", "{:.1e}"),
@@ -44,7 +45,7 @@ def _cell(row: dict, key: str, fmt: str) -> str:
     value = PAPER.get((row["backbone"], row["trainer"]), "-") if key == "paper" else row.get(key)
     if value is None or value == "":
         return "-"
-    return fmt.format(value / 2**20 if key == "held_bytes" else value)
+    return fmt.format(value / 2**20 if key in ("held_bytes", "peak_bytes") else value)
 
 
 def markdown_table(rows: list[dict]) -> str:

@@ -17,5 +17,5 @@ class ProjectionReward:
         self.directions = torch.randn((NUM_PROMPTS, *latent_shape), generator=generator).flatten(1)
 
     def __call__(self, samples: torch.Tensor, prompts) -> torch.Tensor:
-        directions = self.directions[torch.as_tensor(list(prompts))]
+        directions = self.directions[torch.as_tensor(list(prompts))].to(samples.device)
         return (samples.flatten(1) * directions).mean(1)

@@ -67,3 +67,13 @@ def test_a_diverged_run_never_counts_as_equal():
 
     assert max_rel_weight_diff(Weights(1.0), Weights(float("nan"))) == math.inf
     assert max_rel_weight_diff(Weights(1.0), Weights(1.0)) == 0.0
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with CUDA the script runs the whole GPU benchmark")
+def test_the_gpu_script_says_why_it_skips_without_cuda():
+    import subprocess
+
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run(["bash", str(root / "benchmarks" / "gpu.sh")], capture_output=True, text=True,
+                          env={"PY": sys.executable, "PATH": "/usr/bin:/bin"})
+    assert done.returncode == 0 and "no CUDA device here" in done.stderr and "skipping" in done.stderr
