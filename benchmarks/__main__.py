@@ -16,7 +16,7 @@ from .report import equivalence_markdown, machine_line, markdown_table, write_re
 
 SCHEDULES = ("retain", "reweight", "auto")
 
-QUICK_REPETITIONS = 3
+QUICK_REPETITIONS = 5
 FULL_REPETITIONS = 7
 
 

@@ -138,6 +138,11 @@ def timing_fields(native_times: list[Timing], optimized_times: list[Timing]) -> 
     }
 
 
+def same_program(auto, schedule: str) -> bool:
+    """Whether ``auto`` compiled to ``schedule``'s program: the same runtime, every trained step served alike."""
+    return auto.plan.schedule == schedule and all(a.action in (schedule, "no-grad") for a in auto.plan.steps)
+
+
 def describe_actions(steps) -> str:
     """A plan's actions per trained step, counted: ``retain x7, retain@0.40 x1, recompute x1``."""
     counts = Counter(a.action for a in steps if a.action != "no-grad")
@@ -151,25 +156,31 @@ def measure_case(case: Case, repetitions: int, schedules: tuple[str, ...] = ("re
     compilation of the same trainer (on this CPU, for this step's samples)."""
     programs = build_programs(case, schedules)
     cost = (programs["auto"] if "auto" in programs else leancompile.optimize(build_trainer(case))).plan.cost
+    # Where auto compiled to exactly a single schedule's program, timing it again would only measure noise: its
+    # row reports that program's measurement.
+    timed_as = {name: name for name in schedules}
+    if "auto" in programs:
+        timed_as["auto"] = next((s for s in schedules if s != "auto" and same_program(programs["auto"], s)), "auto")
+    timed = {name: programs[name] for name in ("native", *schedules) if timed_as.get(name, name) == name}
     prompts = list(case.prompts)
-    for trainer in programs.values():
+    for trainer in timed.values():
         timed_step(trainer, prompts)  # compiles the partitioned backbone, traces the correction
-    times, stats = interleaved_times(programs, prompts, repetitions)
-    flops = {name: step_flops(trainer, prompts) for name, trainer in programs.items()}
+    times, stats = interleaved_times(timed, prompts, repetitions)
+    flops = {name: step_flops(trainer, prompts) for name, trainer in timed.items()}
     native = programs["native"]
     rows = []
     for schedule in schedules:
-        optimized, s = programs[schedule], stats[schedule]
-        plan = optimized.plan
+        source = timed_as[schedule]
+        optimized, s, plan = timed[source], stats[source], programs[schedule].plan
         row = {"backbone": case.backbone, "trainer": case.trainer, "tuning": case.tuning, "schedule": schedule,
-               "runs": plan.schedule,
+               "runs": plan.schedule, "timed_as": source,
                # auto: the program it runs and its action per trained step
                "plan": describe_actions(plan.steps) if schedule == "auto" else "",
                "predicted_speedup": cost.speedup(schedule) if cost is not None else None,
-               **timing_fields(times["native"], times[schedule]),
-               "ideal_speedup": flops["native"] / flops[schedule],
+               **timing_fields(times["native"], times[source]),
+               "ideal_speedup": flops["native"] / flops[source],
                "native_flops": flops["native"],
-               "optimized_flops": flops[schedule],
+               "optimized_flops": flops[source],
                # what the schedule holds from the rollout to the update: activations (retain), gradient buffers and
                # the backbone's kept inputs and outputs (reweight)
                "held_bytes": s.get("retained_bytes", s.get("buffer_bytes", 0) + s.get("kept_output_bytes", 0)),

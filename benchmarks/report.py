@@ -25,6 +25,7 @@ _COLUMNS = (
     ("peak MiB", "peak_bytes", "{:.1f}"),
     ("buffers", "buffer_mode", "{}"),
     ("auto's plan", "plan", "{}"),
+    ("timed as", "timed_as", "{}"),
     ("max rel weight diff", "max_rel_weight_diff", "{:.1e}"),
     ("reps", "repetitions", "{}"),
     ("paper (8xA6000)", "paper", "{}"),
