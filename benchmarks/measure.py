@@ -5,7 +5,6 @@ import gc
 import math
 import statistics
 import time
-from collections import Counter
 from dataclasses import dataclass
 
 import torch
@@ -13,6 +12,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import leancompile
 from leancompile import backbones
+from leancompile.cost.planner import describe_steps
 from leancompile.tasks.synthetic import RandomPrompts
 from leancompile.trainers import DanceGRPOTrainer, FlowGRPOTrainer
 
@@ -143,12 +143,6 @@ def same_program(auto, schedule: str) -> bool:
     return auto.plan.schedule == schedule and all(a.action in (schedule, "no-grad") for a in auto.plan.steps)
 
 
-def describe_actions(steps) -> str:
-    """A plan's actions per trained step, counted: ``retain x7, retain@0.40 x1, recompute x1``."""
-    counts = Counter(a.action for a in steps if a.action != "no-grad")
-    return ", ".join(f"{action} x{n}" for action, n in counts.items())
-
-
 def measure_case(case: Case, repetitions: int, schedules: tuple[str, ...] = ("retain", "reweight", "auto")
                  ) -> list[dict]:
     """One row per schedule. Every program runs the same sequence of steps (warm-up, timed, FLOP-counted), so
@@ -175,7 +169,8 @@ def measure_case(case: Case, repetitions: int, schedules: tuple[str, ...] = ("re
         row = {"backbone": case.backbone, "trainer": case.trainer, "tuning": case.tuning, "schedule": schedule,
                "runs": plan.schedule, "timed_as": source,
                # auto: the program it runs and its action per trained step
-               "plan": describe_actions(plan.steps) if schedule == "auto" else "",
+               "plan": describe_steps([a.action for a in plan.steps if a.action != "no-grad"]) if schedule == "auto"
+               else "",
                "predicted_speedup": cost.speedup(schedule) if cost is not None else None,
                **timing_fields(times["native"], times[source]),
                "ideal_speedup": flops["native"] / flops[source],

@@ -138,7 +138,7 @@ def _compile(trainer, programs, requested: str, memory_budget, strict: bool, bud
         cost = _cost_plan(trainer, budget, refusal, linearity, linear)
         auto = cost["auto"]
         use_reweight, steps = auto.runs == "reweight", auto.steps if auto.runs == "retain" else ()
-        choice = (f"auto: planned on {cost.device} within {_gib(cost.budget)}: {auto.note}; predicted "
+        choice = (f"auto: planned on {cost.device} within {cost_planner.format_bytes(cost.budget)}: {auto.note}; predicted "
                   + ", ".join(f"{e.schedule} {cost.speedup(e.schedule):.2f}x" + ("" if e.fits else " (does not fit)")
                               for e in cost.estimates[:3]))
         if auto.runs == "native":
@@ -196,10 +196,6 @@ def _cost_plan(trainer, budget: _Budget, refusal, linearity, linear: bool):
     elif isinstance(device, str):
         device = get_device(device)
     return cost_planner.plan(scenario, device, budget.memory_limit)
-
-
-def _gib(n: int) -> str:
-    return f"{n / 2 ** 30:.2f} GiB"
 
 
 def _describe_buffers(config) -> str:

@@ -105,11 +105,11 @@ class CostPlan:
         for e in self.estimates:
             names += [n for n, _ in e.components if n not in names]
         head = f"{'':<26}" + "".join(f"{e.schedule:>12}" for e in self.estimates)
-        lines = [f"device {self.device}, budget {_gib(self.budget)}", head]
+        lines = [f"device {self.device}, budget {format_bytes(self.budget)}", head]
         for name in names:
-            lines.append(f"  {name:<24}" + "".join(f"{_gib(dict(e.components).get(name, 0)):>12}"
+            lines.append(f"  {name:<24}" + "".join(f"{format_bytes(dict(e.components).get(name, 0)):>12}"
                                                    for e in self.estimates))
-        lines.append(f"  {'peak':<24}" + "".join(f"{_gib(e.peak_bytes):>12}" for e in self.estimates))
+        lines.append(f"  {'peak':<24}" + "".join(f"{format_bytes(e.peak_bytes):>12}" for e in self.estimates))
         lines.append(f"  {'fits':<24}" + "".join(f"{'yes' if e.fits else 'NO':>12}" for e in self.estimates))
         lines.append(f"  {'step time (s)':<24}" + "".join(f"{e.seconds:>12.3g}" for e in self.estimates))
         lines.append(f"  {'speedup':<24}" + "".join(f"{self.speedup(e.schedule):>11.2f}x" for e in self.estimates))
@@ -123,7 +123,8 @@ class CostPlan:
         return "\n".join(lines)
 
 
-def _gib(n: float) -> str:
+def format_bytes(n: float) -> str:
+    """GiB, or MiB below a hundredth of one."""
     return f"{n / GiB:.2f} GiB" if n >= 0.01 * GiB else f"{n / 2 ** 20:.2f} MiB"
 
 
@@ -235,7 +236,7 @@ def plan(s: Scenario, device: Device, budget: int | None = None) -> CostPlan:
     retained = _estimate("retain", static, {"retained activations": g.eligible * step_bytes,
                                              "activations (one call)": transient},
                          budget, native_s - g.eligible * saved_s, native_f - g.eligible * saved_f,
-                         ("retain",) * g.eligible, note=f"every trained step keeps {_gib(step_bytes)}")
+                         ("retain",) * g.eligible, note=f"every trained step keeps {format_bytes(step_bytes)}")
     reweight = _reweight(s, g, static, budget, native_s, native_f, fwd_u, bwd_u, device, values)
     auto = _auto(s, g, static, budget, native, reweight, step_bytes, transient, saved_s, saved_f, device)
     limits = _limits(s, g, base, budget)
@@ -274,7 +275,7 @@ def _reweight(s, g, static, budget, native_s, native_f, fwd_u, bwd_u, device, va
     return _estimate("reweight", static, {"gradient buffers": count * buffer, "kept outputs": kept,
                                           "activations (one call)": transient}, budget,
                      native_s - g.eligible * per_step + traffic, flops, ("reweight",) * g.eligible,
-                     note=f"{count} gradient buffers of {_gib(buffer)}")
+                     note=f"{count} gradient buffers of {format_bytes(buffer)}")
 
 
 def _auto(s, g, static, budget, native, reweight, step_bytes, transient, saved_s, saved_f, device) -> Estimate:
@@ -322,7 +323,7 @@ def _auto(s, g, static, budget, native, reweight, step_bytes, transient, saved_s
     extra = {"retained activations": held, "activations (one call)": transient}
     mix = None
     if any(a != "recompute" for a in steps):
-        mix = _estimate("auto", static, extra, budget, seconds, flops, tuple(steps), "retain", note=_describe(steps))
+        mix = _estimate("auto", static, extra, budget, seconds, flops, tuple(steps), "retain", note=describe_steps(steps))
     options = [e for e in (mix, reweight) if e is not None and e.fits] + [native]
     best = min(options, key=lambda e: e.seconds)
     if best is native:
@@ -336,7 +337,8 @@ def _auto(s, g, static, budget, native, reweight, step_bytes, transient, saved_s
     return mix
 
 
-def _describe(steps) -> str:
+def describe_steps(steps) -> str:
+    """Actions per trained step, counted in order of first use: ``retain x7, retain@0.40 x1, recompute x1``."""
     counts = {}
     for a in steps:
         counts[a] = counts.get(a, 0) + 1
