@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-_COLUMNS = (
+COLUMNS = (
     ("backbone", "backbone", "{}"),
     ("schedule of", "trainer", "{}"),
     ("tuning", "tuning", "{}"),
@@ -49,10 +49,10 @@ def _cell(row: dict, key: str, fmt: str) -> str:
     return fmt.format(value / 2**20 if key in ("held_bytes", "peak_bytes") else value)
 
 
-def markdown_table(rows: list[dict]) -> str:
-    lines = ["| " + " | ".join(title for title, _, _ in _COLUMNS) + " |",
-             "|" + "|".join("---" for _ in _COLUMNS) + "|"]
-    lines += ["| " + " | ".join(_cell(row, key, fmt) for _, key, fmt in _COLUMNS) + " |" for row in rows]
+def markdown_table(rows: list[dict], columns=COLUMNS) -> str:
+    lines = ["| " + " | ".join(title for title, _, _ in columns) + " |",
+             "|" + "|".join("---" for _ in columns) + "|"]
+    lines += ["| " + " | ".join(_cell(row, key, fmt) for _, key, fmt in columns) + " |" for row in rows]
     return "\n".join(lines)
 
 

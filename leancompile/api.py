@@ -51,7 +51,7 @@ def _reuse_window(config) -> str:
 
 def _native_plan(config, requested: str, shared: str, reason: str, findings=()) -> Plan:
     steps = tuple(StepAction(i, "native", reason) for i in range(config.num_steps))
-    return Plan("native", requested, steps, "none", shared, "nothing", tuple(findings))
+    return Plan("native", requested, steps, "none", shared, "nothing", tuple(findings), choice=reason)
 
 
 def optimize(trainer, schedule: str = "auto", memory_budget: float | None = None, strict: bool = False,
@@ -88,18 +88,29 @@ def optimize(trainer, schedule: str = "auto", memory_budget: float | None = None
         raise ValueError(f"samples_per_step must be an integer >= 2; got {samples_per_step!r}")
     budget = _Budget(memory_limit, samples_per_step, device)
     check_protocol(trainer)
-    programs = passes.capture(trainer)
-    if schedule == "native":
-        plan = _native_plan(trainer.config, schedule, "not analysed", "schedule='native': the untransformed program")
-        graphs, runtime = {"rollout": programs.rollout, "update": programs.update}, None
-    else:
-        plan, graphs, runtime = _compile(trainer, programs, schedule, memory_budget, strict, budget)
+    # Analysed and compiled on the weights a rewritten step runs on (FSDP2: gathered whole, see trainers.parallel).
+    with trainer.sync.whole_weights(trainer) as (backbone, trainable):
+        subject = trainer if backbone is trainer.backbone else _on_weights(trainer, backbone, trainable)
+        programs = passes.capture(subject)
+        if schedule == "native":
+            plan = _native_plan(trainer.config, schedule, "not analysed",
+                                "schedule='native': the untransformed program")
+            graphs, runtime = {"rollout": programs.rollout, "update": programs.update}, None
+        else:
+            plan, graphs, runtime = _compile(subject, programs, schedule, memory_budget, strict, budget)
     optimized = copy.copy(trainer)
     optimized.__class__ = optimized_class(type(trainer))
     optimized.plan = plan
     optimized.graphs = graphs
     optimized._runtime = runtime
     return optimized
+
+
+def _on_weights(trainer, backbone, trainable):
+    """``trainer`` seen running ``backbone`` with ``trainable`` weights (its generators and config shared)."""
+    view = copy.copy(trainer)
+    view.__dict__.update(backbone=backbone, trainable=trainable)
+    return view
 
 
 @dataclass(frozen=True)
@@ -188,6 +199,8 @@ def _cost_plan(trainer, budget: _Budget, refusal, linearity, linear: bool):
     free = bool(linearity.advantage_free)
     rollout_batch = min(config.sample_batch_size or samples, samples)
     scenario = trainer_scenario(trainer, samples, reweight_refusal=refusal, advantage_free=free,
+                                world_size=trainer.sync.world_size,
+                                sharding="fsdp" if trainer.sync.kind == "fsdp" else "ddp",
                                 per_sample_backwards=1 if linear or rollout_batch == 1 else rollout_batch,
                                 buffers=passes.reweight_buffers(config, free, samples).count)
     device = budget.device

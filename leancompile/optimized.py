@@ -8,7 +8,7 @@ answer the backbone calls it rewrote; with no runtime (the native plan) every me
 from __future__ import annotations
 
 from .plan import Plan
-from .runtime.base import Runtime, swapped_backbone
+from .runtime.base import Runtime, running, swapped_backbone
 
 
 class Optimized:
@@ -29,7 +29,8 @@ class Optimized:
             return super().step(prompts)
         runtime.begin_step()
         try:
-            stats = super().step(prompts)
+            with self.sync.whole_weights(self) as (backbone, _), running(self, backbone):
+                stats = super().step(prompts)
         finally:
             records, extra = runtime.state.records, runtime.end_step()
         stats.update(extra)
@@ -47,7 +48,7 @@ class Optimized:
 
     def rollout(self, prompts):
         prompts = list(prompts)
-        self._num_samples = len(prompts) * self.config.group_size
+        self._num_samples = len(prompts) * getattr(self, "samples_per_prompt", self.config.group_size)
         if self._runtime is not None:
             self._runtime.begin_rollout(self, prompts)
         return super().rollout(prompts)
@@ -96,15 +97,23 @@ class Optimized:
         with swapped_backbone(self, call):
             return super().train_velocity(micro)
 
-    def backward(self, loss):
-        super().backward(loss)
-        if self._runtime is not None:
-            self._runtime.after_backward()
+    def backward(self, loss, sync=True):
+        runtime = self._runtime
+        if runtime is None:
+            return super().backward(loss, sync)
+        # While the rollout's work is pending, the gradient sync waits for the runtime's own backward.
+        defer = runtime.window_refusal() is None
+        self._sync_deferred = getattr(self, "_sync_deferred", False) or (defer and sync)
+        super().backward(loss, sync and not defer)
+        runtime.after_backward()
 
     def optimizer_step(self):
         if self._runtime is not None:
-            self._runtime.before_optimizer_step()
+            deferred, self._sync_deferred = getattr(self, "_sync_deferred", False), False
+            if not self._runtime.before_optimizer_step(self.sync.backward(deferred)) and deferred:
+                self.sync.flush(self.trainable)
         super().optimizer_step()
+        self.sync.weights_changed()
 
 
 def runtime_graphs(runtime) -> dict:

@@ -10,6 +10,8 @@ Attributes:
     backbone: the ``leancompile.backbones.Backbone`` the policy runs; every backbone call goes through
         ``self.backbone(x, sigma, cond)``.
     trainable: the parameters the optimizer updates.
+    sync: the :class:`~leancompile.trainers.parallel.GradientSync` of its data-parallel engine (one process:
+        the base class, which does nothing).
     sigmas, step_fn, dtype: the sigma schedule, the stochastic step ``step_fn(x, v, sigma, sigma_next, noise_level,
         noise=... | prev_sample=...)`` and the run's dtype.
 
@@ -21,11 +23,12 @@ Methods:
     trained_step_schedule(num_samples, sde_steps), micro_step(rollout, advantages, rows, steps),
         micro_step_loss(micro), train_velocity(micro): the update's schedule, inputs, loss and backbone call site.
         ``micro_step_loss`` is the mean over the micro-batch's rows of a per-row loss (Reweight reads it so).
-    update(rollout, advantages), backward(loss), optimizer_step(): the update, its backward and optimizer step.
+    update(rollout, advantages), backward(loss, sync), optimizer_step(): the update, its backward (``sync``: the
+        last before an optimizer step, which completes the gradient across ranks) and optimizer step.
 """
 from __future__ import annotations
 
-ATTRIBUTES = ("config", "backbone", "trainable", "sigmas", "step_fn", "dtype")
+ATTRIBUTES = ("config", "backbone", "trainable", "sync", "sigmas", "step_fn", "dtype")
 METHODS = ("step", "rollout", "sde_mask", "rollout_step", "rollout_velocity", "trained_step_schedule", "micro_step",
            "micro_step_loss", "train_velocity", "update", "backward", "optimizer_step")
 

@@ -2,6 +2,7 @@
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
+from torch.distributed.tensor import DTensor, distribute_tensor
 from hypothesis import strategies as st
 
 from leancompile import backbones, optimize
@@ -39,7 +40,10 @@ def _build(family, config, reward=tied_reward, **overrides):
     generator = torch.Generator().manual_seed(config.seed)
     with torch.no_grad():
         for p in trainer.trainable:
-            p.add_(0.02 * torch.randn(p.shape, generator=generator, dtype=p.dtype))
+            shift = 0.02 * torch.randn(p.shape, generator=generator, dtype=p.dtype)
+            if isinstance(p, DTensor):  # sharded by FSDP2 (tests/test_distributed.py)
+                shift = distribute_tensor(shift, p.device_mesh, p.placements)
+            p.add_(shift)
     return trainer
 
 

@@ -86,6 +86,10 @@ class Backbone(torch.nn.Module):
             f"pooled_dim={self.pooled_dim}"
         )
 
+    def block_stacks(self) -> list[tuple[str, torch.nn.ModuleList]]:
+        """The model's stacks of transformer blocks, by attribute name (the units FSDP shards and profiles count)."""
+        return [(name, m) for name, m in self.model.named_children() if isinstance(m, torch.nn.ModuleList) and len(m)]
+
     def _param(self) -> torch.Tensor:
         # Read at call time (not cached) so that functional_call / tracing substitutes are seen.
         return next(self.model.parameters())

@@ -45,7 +45,7 @@ def profile_call(backbone, autocast: torch.dtype | None = None, device_type: str
     fake = _fake_copy(backbone, mode, device_type)
     args = _fake_inputs(fake, 1, mode)
     cast = torch.autocast(device_type, dtype=autocast) if autocast is not None else contextlib.nullcontext()
-    stacks = [(name, blocks, _kinds(blocks)) for name, blocks in _block_lists(fake.model)]
+    stacks = [(name, blocks, _kinds(blocks)) for name, blocks in fake.block_stacks()]
     firsts = {name: [ids[0] for ids in kinds.values()] for name, _, kinds in stacks}
     # A second block of each repeated kind, not the first one twice: the partition would share its weights' views.
     extra = [(name, ids[1], len(ids) - 1) for name, _, kinds in stacks for ids in kinds.values() if len(ids) > 1]
@@ -90,7 +90,7 @@ def _measure_call(fake, args, mode) -> _Measured:
     block_inputs = []
     handles = [b.register_forward_pre_hook(lambda _, a, kw: block_inputs.append(_tensor_bytes((a, kw))),
                                            with_kwargs=True)
-               for _, blocks in _block_lists(fake.model) for b in blocks]
+               for _, blocks in fake.block_stacks() for b in blocks]
     counter = WorkloadCounter()
     eager = SavedBytes(frozenset(StorageWeakRef(t.untyped_storage()) for t in (*fake.parameters(), *fake.buffers())),
                        storage_key=lambda t: StorageWeakRef(t.untyped_storage()))
@@ -158,11 +158,6 @@ def _tokens(backbone) -> int:
 
 
 # ------------------------------------------------------------------------------------------- saved activations
-
-def _block_lists(model) -> list[tuple[str, torch.nn.ModuleList]]:
-    """The model's stacks of transformer blocks."""
-    return [(name, m) for name, m in model.named_children() if isinstance(m, torch.nn.ModuleList) and len(m)]
-
 
 def _kinds(blocks: torch.nn.ModuleList) -> dict[str, list[int]]:
     """Block indices by kind: blocks with the same structure (modules, shapes) save the same tensors."""

@@ -66,6 +66,9 @@ def reweight_buffers(config, has_free: bool, num_samples: int) -> BufferPlan:
     then holds (a sample with advantage-free loss terms needs a second buffer)."""
     per = 1 + has_free
     window = min(num_samples, config.gradient_accumulation_steps * config.train_batch_size)
+    if getattr(config, "parallel", "none") != "none" and (config.same_prompt_groups or config.global_std):
+        return BufferPlan(False, "per-sample buffers: the advantages normalise rewards gathered from every rank",
+                          window * per)
     inactive, bound = clip_never_binds(config, num_samples)
     if not inactive:
         return BufferPlan(False, f"per-sample buffers: {bound}", window * per)

@@ -116,8 +116,22 @@ class Runtime:
     def after_backward(self) -> None:
         pass
 
-    def before_optimizer_step(self) -> None:
+    def before_optimizer_step(self, syncing) -> bool:
+        """Add the rollout's work to the gradients, in a backward run under ``syncing`` (the context that completes
+        the step's gradient across ranks); return whether such a backward ran."""
         self.state.window_open = False
+        return False
+
+
+@contextlib.contextmanager
+def running(trainer, backbone):
+    """Every backbone call of ``trainer`` runs ``backbone`` for the duration (a copy on gathered weights)."""
+    original = trainer.backbone
+    trainer.__dict__["backbone"] = backbone
+    try:
+        yield
+    finally:
+        trainer.__dict__["backbone"] = original
 
 
 @contextlib.contextmanager

@@ -201,12 +201,14 @@ class RetainRuntime(Runtime):
                 kept.grad[grad_segment * len(kept.rows) + position] += row_grad
         state.pending.clear()
 
-    def before_optimizer_step(self) -> None:
+    def before_optimizer_step(self, syncing) -> bool:
         """One backward through every kept call that received gradient, then free them all."""
         state = self.state
         used = [k for k in state.kept if k.grad is not None]
         if used:
-            torch.autograd.backward([k.with_grad for k in used], [k.grad for k in used])
+            with syncing:
+                torch.autograd.backward([k.with_grad for k in used], [k.grad for k in used])
         state.kept.clear()
         state.where.clear()
-        super().before_optimizer_step()
+        super().before_optimizer_step(syncing)
+        return bool(used)

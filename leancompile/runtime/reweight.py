@@ -119,7 +119,7 @@ class ReweightRuntime(Runtime):
 
     def begin_rollout(self, trainer, prompts: list) -> None:
         cfg, s = self.config, self.state
-        s.prompts = [p for p in prompts for _ in range(cfg.group_size)]
+        s.prompts = [p for p in prompts for _ in range(getattr(trainer, "samples_per_prompt", cfg.group_size))]
         n = len(s.prompts)
         # The first optimizer step's micro-batches, as micro_batches() will draw them if no sample is dropped;
         # a sample dropped or moved after all just recomputes.
@@ -320,15 +320,18 @@ class ReweightRuntime(Runtime):
         anchor = torch.zeros((), requires_grad=True)
         return _LossWeight.apply(loss, anchor, sink), info
 
-    def before_optimizer_step(self) -> None:
+    def before_optimizer_step(self, syncing) -> bool:
         s = self.state
-        if s.window_open and s.weights:
+        corrected = s.window_open and bool(s.weights)
+        if corrected:
             grads = self._correction()
-            for p, g in zip(self.trainable, grads):
-                p.grad = g if p.grad is None else p.grad + g
+            # Accumulated by autograd, like any backward's: a data-parallel engine's hooks see (and sync) them.
+            with syncing:
+                torch.autograd.backward(self.trainable, grads)
         s.policy.clear(), s.free.clear(), s.groups.clear(), s.weights.clear()
         s.buffer_bytes = 0
-        super().before_optimizer_step()
+        super().before_optimizer_step(syncing)
+        return corrected
 
     def _sample_weights(self) -> dict[int, float]:
         """Each reweighted sample's weight ``w / |micro-batch|``; its trained steps must share it (they do in

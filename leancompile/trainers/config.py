@@ -50,6 +50,8 @@ class GRPOConfig:
     dtype: str = "float32"  # "float32" | "float64"
     mixed_precision: str = "no"  # "no" | "bf16" (autocast around the backbone)
     seed: int = 0
+    parallel: str = "none"  # "none" | "ddp" | "fsdp" (FSDP2): data parallel over torch.distributed's ranks
+    same_prompt_groups: bool = False  # every rank samples every prompt, group_size / world_size samples each
 
     # Per-trainer constants, overridden by the subclasses.
     algorithm = "grpo"
@@ -96,6 +98,13 @@ class GRPOConfig:
         _require(self.mixed_precision in ("no", "bf16"), "mixed_precision", "'no' or 'bf16'", self.mixed_precision)
         _require(not (self.dtype == "float64" and self.mixed_precision == "bf16"), "mixed_precision",
                  "'no' when dtype='float64'", self.mixed_precision)
+        _require(self.parallel in ("none", "ddp", "fsdp"), "parallel", "one of 'none', 'ddp', 'fsdp'", self.parallel)
+        _require(not self.same_prompt_groups or self.parallel != "none", "same_prompt_groups",
+                 "False when parallel='none' (the layout splits groups across ranks)", self.same_prompt_groups)
+        # Every rank must run the same number of optimizer steps (each one synchronises the gradients).
+        _require(self.parallel == "none" or not self.drop_zero_advantages, "drop_zero_advantages",
+                 "False when parallel != 'none' (ranks would train different numbers of micro-batches)",
+                 self.drop_zero_advantages)
 
     @property
     def noise(self) -> float:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -27,12 +28,19 @@ from ..backbones import Backbone, Conditioning
 from .advantages import check_rewards, group_advantages
 from .checkpoint import load_checkpoint, save_checkpoint
 from .config import DanceGRPOConfig, FlowGRPOConfig, GRPOConfig
+from .parallel import gradient_sync
 from .sampling import STEP_FUNCTIONS, ode_step, quantized_timestep, shifted_sigmas
 
 RewardFn = Callable[[torch.Tensor, Sequence], torch.Tensor]
 EncodeFn = Callable[[Sequence], Conditioning]
 
 _DTYPES = {"float32": torch.float32, "float64": torch.float64}
+GENERATORS = ("noise", "steps", "shuffle")
+
+
+def generator_seeds(seed: int, rank: int = 0) -> dict[str, int]:
+    """The seed of each generator on ``rank``: every rank draws its own noise, schedules and shuffles."""
+    return {name: seed + offset + len(GENERATORS) * rank for offset, name in enumerate(GENERATORS)}
 
 
 @dataclass
@@ -104,6 +112,10 @@ class GRPOTrainer:
         self.step_fn = STEP_FUNCTIONS[config.step_kind]
         self.sigmas = shifted_sigmas(config.num_steps, config.shift, self.dtype).to(self.device)
         self.reference = self._prepare_parameters()
+        self.sync = gradient_sync(config.parallel, self.backbone)
+        if config.same_prompt_groups and config.group_size % self.sync.world_size:
+            raise ValueError(f"group_size must be a multiple of the world size {self.sync.world_size} when "
+                             f"same_prompt_groups=True; got {config.group_size}")
         self.trainable = [p for p in self.backbone.parameters() if p.requires_grad]
         self.trainable_names = [n for n, p in self.backbone.named_parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(
@@ -114,8 +126,8 @@ class GRPOTrainer:
             eps=config.adam_epsilon,
         )
         self.ema = [p.detach().clone() for p in self.trainable] if config.ema else None
-        self.generators = {name: torch.Generator().manual_seed(config.seed + offset)
-                           for offset, name in enumerate(("noise", "steps", "shuffle"))}
+        self.generators = {name: torch.Generator().manual_seed(seed)
+                           for name, seed in generator_seeds(config.seed, self.sync.rank).items()}
         self.global_step = 0
         self.optimizer_steps = 0
 
@@ -160,6 +172,12 @@ class GRPOTrainer:
             yield self.backbone
         finally:
             self.backbone.model.enable_adapters()
+
+    @property
+    def samples_per_prompt(self) -> int:
+        """This rank's samples of each prompt: the whole group, or its share under ``same_prompt_groups``."""
+        cfg = self.config
+        return cfg.group_size // self.sync.world_size if cfg.same_prompt_groups else cfg.group_size
 
     # ------------------------------------------------------------------------------------ backbone calls
 
@@ -222,8 +240,9 @@ class GRPOTrainer:
         prompts = list(prompts)
         if not prompts:
             raise ValueError("prompts must hold at least one prompt; got an empty batch")
-        num = len(prompts) * cfg.group_size
-        cond = self.encode(prompts).repeat_interleave(cfg.group_size).to(device=self.device, dtype=self.dtype)
+        per_prompt = self.samples_per_prompt
+        num = len(prompts) * per_prompt
+        cond = self.encode(prompts).repeat_interleave(per_prompt).to(device=self.device, dtype=self.dtype)
         x0 = self.draw_noise((num, *self.backbone.latent_shape))
         sde = self.sde_mask()
         chunk = cfg.sample_batch_size or num
@@ -239,7 +258,7 @@ class GRPOTrainer:
             latents.append(torch.stack(traj, dim=1))
             log_probs.append(torch.stack(lps, dim=1))
         rollout = Rollout(
-            prompts=[p for p in prompts for _ in range(cfg.group_size)],
+            prompts=[p for p in prompts for _ in range(per_prompt)],
             cond=cond,
             latents=torch.cat(latents).detach(),
             log_probs=torch.cat(log_probs).detach(),
@@ -261,9 +280,18 @@ class GRPOTrainer:
         return ode_step(x, v, sigma, sigma_next), torch.zeros(len(rows), dtype=x.dtype, device=x.device)
 
     def advantages(self, rewards: torch.Tensor) -> torch.Tensor:
+        """Group-normalised advantages. With several ranks the rewards are all-gathered (as FlowGRPO gathers them)
+        so that ``global_std`` sees them all, and, under ``same_prompt_groups``, a prompt's group is
+        ``[rank 0's samples, rank 1's, ...]``; this rank keeps its own samples' advantages."""
         cfg = self.config
-        return group_advantages(rewards, cfg.group_size, unbiased=cfg.adv_unbiased, eps=cfg.adv_eps,
-                                global_std=cfg.global_std, clip=cfg.adv_clip_max).to(self.dtype)
+        normalise = functools.partial(group_advantages, group_size=cfg.group_size, unbiased=cfg.adv_unbiased,
+                                      eps=cfg.adv_eps, global_std=cfg.global_std, clip=cfg.adv_clip_max)
+        if self.sync.world_size == 1:
+            return normalise(rewards).to(self.dtype)
+        world, share = self.sync.world_size, self.samples_per_prompt
+        gathered = self.sync.all_gather(rewards).view(world, -1, share)  # (rank, prompt, sample)
+        grouped = normalise(gathered.transpose(0, 1).flatten()).view(-1, world, share)
+        return grouped[:, self.sync.rank].flatten().to(self.dtype)
 
     # -------------------------------------------------------------------------------------------- update
 
@@ -325,8 +353,11 @@ class GRPOTrainer:
             info["kl"] = kl.mean().detach()
         return loss, info
 
-    def backward(self, loss: torch.Tensor) -> None:
-        loss.backward()
+    def backward(self, loss: torch.Tensor, sync: bool = True) -> None:
+        """``sync``: this backward completes the optimizer step's gradient (data parallel: average it across
+        ranks); the others accumulate locally."""
+        with self.sync.backward(sync):
+            loss.backward()
 
     def optimizer_step(self) -> None:
         cfg = self.config
@@ -349,14 +380,15 @@ class GRPOTrainer:
             schedule = self.trained_step_schedule(rollout.num_samples, rollout.sde_steps)
             batches = self.micro_batches(advantages)
             for b, rows in enumerate(batches):
+                steps_after = (b + 1) % cfg.gradient_accumulation_steps == 0 or b == len(batches) - 1
                 for j in range(k):
                     micro = self.micro_step(rollout, advantages, rows, schedule[rows, j])
                     loss, info = self.micro_step_loss(micro)
-                    self.backward(loss * scale)
+                    self.backward(loss * scale, sync=steps_after and j == k - 1)
                     for key, value in {"loss": loss.detach(), **info}.items():
                         totals[key] = totals.get(key, 0.0) + float(value)
                     count += 1
-                if (b + 1) % cfg.gradient_accumulation_steps == 0 or b == len(batches) - 1:
+                if steps_after:
                     self.optimizer_step()
         return {key: value / max(count, 1) for key, value in totals.items()}
 
@@ -368,7 +400,7 @@ class GRPOTrainer:
         rollout = self.rollout(prompts)
         t1 = time.perf_counter()
         advantages = self.advantages(rollout.rewards)
-        steps_before = self.optimizer_steps
+        steps_before, syncs, collectives = self.optimizer_steps, self.sync.syncs, self.sync.collectives
         stats = self.update(rollout, advantages)
         t2 = time.perf_counter()
         self.global_step += 1
@@ -379,6 +411,8 @@ class GRPOTrainer:
             reward_std=float(rewards.std(correction=0)),
             kept_fraction=float((advantages != 0).float().mean()) if self.config.drop_zero_advantages else 1.0,
             optimizer_steps=self.optimizer_steps - steps_before,
+            gradient_syncs=self.sync.syncs - syncs,
+            gradient_collectives=self.sync.collectives - collectives,
             rollout_seconds=t1 - t0,
             update_seconds=t2 - t1,
             step_seconds=t2 - t0,

@@ -1,0 +1,162 @@
+"""Data parallel on torch.distributed: two gloo processes run native, Retain and Reweight under DDP and FSDP2.
+
+Each case trains one GRPO step on two ranks; the reference is the single-process native trainer on each rank's
+data (its prompts and its generators), the gradients averaged, then one optimizer step. Weights and the applied
+gradient must agree to float64 rounding, and every optimizer step must synchronise the gradients exactly once.
+"""
+import dataclasses
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from leancompile import optimize
+from leancompile.trainers import DanceGRPOConfig, FlowGRPOConfig
+from leancompile.trainers.advantages import group_advantages
+from leancompile.trainers.grpo import generator_seeds
+
+from test_reweight_equivalence import _build
+
+WORLD = 2
+FLOW = FlowGRPOConfig(num_steps=3, group_size=4, train_batch_size=8, guidance_scale=2.0, beta=0.1, dtype="float64",
+                      drop_zero_advantages=False, max_grad_norm=None)
+DANCE = DanceGRPOConfig(num_steps=4, group_size=4, gradient_accumulation_steps=4, dtype="float64",
+                        drop_zero_advantages=False, max_grad_norm=1.0)
+HALF = dataclasses.replace(FLOW, train_batch_size=4)  # same prompts: two optimizer steps of the standard layout
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    name: str
+    config: object
+    parallel: str
+    schedule: str
+    prompts_per_rank: int = 2
+    same_prompt: bool = False
+
+    def prompts(self, rank: int) -> list[int]:
+        if self.same_prompt:  # every rank samples the same prompts
+            return list(range(1, 1 + self.prompts_per_rank))
+        return [1 + rank * self.prompts_per_rank + i for i in range(self.prompts_per_rank)]
+
+    def rank_config(self):
+        return dataclasses.replace(self.config, parallel=self.parallel, same_prompt_groups=self.same_prompt)
+
+
+CASES = [Case(f"{parallel}-{schedule}", FLOW, parallel, schedule)
+         for parallel in ("ddp", "fsdp") for schedule in ("native", "retain", "reweight")]
+CASES += [Case(f"dance-ddp-{schedule}", DANCE, "ddp", schedule, prompts_per_rank=1) for schedule in ("native", "auto")]
+CASES += [Case(f"same-ddp-{schedule}", HALF, "ddp", schedule, same_prompt=True) for schedule in ("native", "reweight")]
+CASES += [Case(f"two-steps-{parallel}-{schedule}", HALF, parallel, schedule)
+          for parallel in ("ddp", "fsdp") for schedule in ("native", "retain")]
+
+
+def _full(trainer, tensors):
+    return torch.cat([trainer.sync.full(t).detach().flatten().double() for t in tensors])
+
+
+def _worker(rank, port, cases, out):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    torch.set_num_threads(1)
+    results = {}
+    for case in cases:
+        trainer = _build("sd3", case.rank_config())
+        if case.schedule != "native":
+            trainer = optimize(trainer, schedule=case.schedule)
+        grads = []
+        trainer.optimizer.register_step_pre_hook(
+            lambda *_: grads.append(_full(trainer, [p.grad for p in trainer.trainable])))
+        stats = trainer.step(case.prompts(rank))
+        plan = getattr(trainer, "plan", None)
+        results[case.name] = dict(stats=stats, weights=_full(trainer, trainer.trainable), grads=grads,
+                                  schedule=plan.schedule if plan else "native", choice=plan.choice if plan else "")
+    torch.save(results, os.path.join(out, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    out = tmp_path_factory.mktemp("ranks")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    torch.multiprocessing.spawn(_worker, args=(port, CASES, str(out)), nprocs=WORLD)
+    return [torch.load(out / f"rank{r}.pt") for r in range(WORLD)]
+
+
+def _reference(case):
+    """One optimizer step of the averaged single-process native gradients of every rank's data; returns the
+    applied gradient and the weights after it."""
+    per_prompt = case.config.group_size // WORLD if case.same_prompt else case.config.group_size
+    single = dataclasses.replace(case.config, group_size=per_prompt)
+    trainers, rollouts = [], []
+    for rank in range(WORLD):
+        trainer = _build("sd3", single)
+        for name, seed in generator_seeds(single.seed, rank).items():
+            trainer.generators[name].manual_seed(seed)
+        trainers.append(trainer)
+        rollouts.append(trainer.rollout(case.prompts(rank)))
+    rewards = torch.stack([r.rewards for r in rollouts]).view(WORLD, case.prompts_per_rank, per_prompt)
+    cfg = case.config
+    advantages = group_advantages(rewards.transpose(0, 1).flatten(), cfg.group_size, unbiased=cfg.adv_unbiased,
+                                  eps=cfg.adv_eps, clip=cfg.adv_clip_max).view(-1, WORLD, per_prompt)
+    grads = []
+    for rank, (trainer, rollout) in enumerate(zip(trainers, rollouts)):
+        stashed = []
+        trainer.optimizer_step = lambda t=trainer, s=stashed: s.append([p.grad.clone() for p in t.trainable])
+        trainer.update(rollout, advantages[:, rank].flatten().to(trainer.dtype))
+        assert len(stashed) == 1, "the reference covers one optimizer step per GRPO step"
+        grads.append(stashed[0])
+    final = trainers[0]
+    for p, *rank_grads in zip(final.trainable, *grads):
+        p.grad = sum(rank_grads) / WORLD
+    applied = []
+    final.optimizer.register_step_pre_hook(lambda *_: applied.append(_full(final, [p.grad for p in final.trainable])))
+    type(final).optimizer_step(final)
+    start = _full(final, _build("sd3", single).trainable)
+    return applied[0], _full(final, final.trainable), start
+
+
+def _relative(a, b) -> float:
+    return float((a - b).norm() / b.norm())
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if not c.name.startswith("two-steps")], ids=lambda c: c.name)
+def test_data_parallel_step_equals_single_process_native(ranks, case):
+    grad, weights, start = _reference(case)
+    for rank in ranks:
+        result = rank[case.name]
+        assert _relative(result["grads"][0], grad) <= 1e-10
+        assert _relative(result["weights"] - start, weights - start) <= 1e-10
+    assert torch.equal(ranks[0][case.name]["weights"], ranks[1][case.name]["weights"])
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_one_gradient_sync_per_optimizer_step(ranks, case):
+    """Native syncs in the last backward before each optimizer step; Retain in its backward through the kept
+    graphs, Reweight in its correction: the provisional backwards of the rollout never communicate."""
+    # DDP: one all-reduce per bucket (one bucket here). FSDP2: natively one reduce-scatter per sharded module with
+    # gradients (the two transformer blocks, where the adapters live); a rewritten step reduce-scatters the
+    # gathered gradients of all modules in one.
+    per_sync = 2 if case.parallel == "fsdp" and case.schedule == "native" else 1
+    for rank in ranks:
+        stats = rank[case.name]["stats"]
+        assert stats["gradient_syncs"] == stats["optimizer_steps"] == (2 if case.name.startswith("two-steps") else 1)
+        assert stats["gradient_collectives"] == per_sync * stats["gradient_syncs"]
+
+
+def test_what_each_engine_runs(ranks):
+    results = ranks[0]
+    assert results["ddp-retain"]["schedule"] == "retain" and results["ddp-reweight"]["schedule"] == "reweight"
+    assert results["ddp-retain"]["stats"]["reused_micro_steps"] > 0
+    assert results["same-ddp-reweight"]["stats"]["buffer_mode"] == "per-sample"  # groups span the ranks
+    assert results["fsdp-retain"]["schedule"] == "retain" and results["fsdp-reweight"]["schedule"] == "reweight"
+    assert results["fsdp-retain"]["stats"]["reused_micro_steps"] > 0
+    # after the first optimizer step the weights differ from the rollout's: the second step's micro-steps recompute
+    for parallel in ("ddp", "fsdp"):
+        two = results[f"two-steps-{parallel}-retain"]
+        assert two["stats"]["reused_micro_steps"] == two["stats"]["recomputed_micro_steps"] > 0
+        assert _relative(two["weights"], results[f"two-steps-{parallel}-native"]["weights"]) <= 1e-12
