@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 # The CPU build of torch unless a CUDA driver is present; never a CUDA wheel on a CPU machine.
 TORCH_PIN := torch==2.13.0
 
-.PHONY: demo test bench clean
+.PHONY: demo test bench bench-distributed clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -27,6 +27,9 @@ BENCH_MALLOC := MALLOC_MMAP_THRESHOLD_=4294967296 MALLOC_TRIM_THRESHOLD_=6871947
 bench: $(VENV)/.installed
 	$(BENCH_MALLOC) $(PY) -m benchmarks $(if $(FULL),--full,)
 	$(BENCH_MALLOC) $(PY) -m pytest -m timing tests/test_cost.py
+
+bench-distributed: $(VENV)/.installed
+	$(BENCH_MALLOC) $(PY) -m benchmarks.distributed
 
 clean:
 	rm -rf $(VENV) demo-out bench-out

@@ -1,6 +1,6 @@
-"""The data-parallel rows: native, Retain, Reweight and auto under DDP on ``--world-size`` gloo processes.
+"""The data-parallel rows: native, Retain, Reweight and auto under DDP and FSDP2 on ``--world-size`` gloo processes.
 
-    python -m benchmarks.distributed [--world-size 2] [--repetitions 5] [--out bench-out]
+    python -m benchmarks.distributed [--world-size 2] [--parallel ddp fsdp] [--repetitions 5] [--out bench-out]
 
 Each rank trains its own prompts (the standard layout) on one CPU thread; every program runs the same steps,
 interleaved, and the gradients are averaged across the ranks once per optimizer step. A step's time is rank 0's
@@ -28,8 +28,8 @@ SCHEDULES = ("retain", "reweight", "auto")
 _SHOWN = ("backbone", "trainer", "tuning", "schedule", "native_seconds", "optimized_seconds", "speedup", "ideal_speedup",
           "ratio", "max_rel_weight_diff", "repetitions")
 COLUMNS = tuple(c for c in report.COLUMNS if c[1] in _SHOWN) + (
-    ("ranks", "world_size", "{}"), ("gradient syncs/step", "gradient_syncs", "{}"),
-    ("collectives/step", "gradient_collectives", "{}"))
+    ("engine", "parallel", "{}"), ("ranks", "world_size", "{}"), ("gradient syncs/step", "gradient_syncs", "{}"),
+    ("collectives/step", "gradient_collectives", "{}"), ("native's", "native_gradient_collectives", "{}"))
 TRAINERS = ("flowgrpo", "dancegrpo")
 
 
@@ -90,15 +90,17 @@ def main(argv=None) -> int:
     parser.add_argument("--repetitions", type=int, default=5)
     parser.add_argument("--families", nargs="+", default=["flux"])
     parser.add_argument("--trainers", nargs="+", default=list(TRAINERS))
+    parser.add_argument("--parallel", nargs="+", choices=["ddp", "fsdp"], default=["ddp", "fsdp"])
     parser.add_argument("--out", type=Path, default=Path("bench-out"))
     args = parser.parse_args(argv)
-    selected = [data_parallel_case(c) for c in cases(families=args.families, trainers=args.trainers,
-                                                      tunings=("lora",))]
+    torch.set_num_threads(1)  # as each rank runs
+    selected = [data_parallel_case(c, parallel) for parallel in args.parallel
+                for c in cases(families=args.families, trainers=args.trainers, tunings=("lora",))]
     rows = measure(selected, args.world_size, args.repetitions)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "distributed.json").write_text(json.dumps(rows, indent=1))
     table = markdown_table(rows, COLUMNS)
-    text = (f"{machine_line()}\n\nDDP over {args.world_size} gloo processes, one thread each\n\n{table}\n")
+    text = f"{machine_line()}\n\n{args.world_size} gloo processes, one thread each\n\n{table}\n"
     (args.out / "distributed.md").write_text(text)
     print(text)
     return 0

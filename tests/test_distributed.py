@@ -160,3 +160,14 @@ def test_what_each_engine_runs(ranks):
         two = results[f"two-steps-{parallel}-retain"]
         assert two["stats"]["reused_micro_steps"] == two["stats"]["recomputed_micro_steps"] > 0
         assert _relative(two["weights"], results[f"two-steps-{parallel}-native"]["weights"]) <= 1e-12
+
+
+def test_bad_data_parallel_settings_name_the_field_and_the_fix():
+    with pytest.raises(ValueError, match="same_prompt_groups must be False when parallel='none'"):
+        dataclasses.replace(FLOW, same_prompt_groups=True)
+    with pytest.raises(ValueError, match="drop_zero_advantages must be False when parallel != 'none'"):
+        dataclasses.replace(FLOW, parallel="ddp", drop_zero_advantages=True)
+    with pytest.raises(ValueError, match="parallel must be one of"):
+        dataclasses.replace(FLOW, parallel="deepspeed")
+    with pytest.raises(ValueError, match="needs torch.distributed initialised: launch with torchrun"):
+        _build("sd3", dataclasses.replace(FLOW, parallel="ddp"))

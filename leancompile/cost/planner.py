@@ -207,7 +207,6 @@ def plan(s: Scenario, device: Device, budget: int | None = None) -> CostPlan:
     tokens, world = s.profile.tokens, s.world_size
     values = {TOKENS: tokens, WORLD: world}
     static = {k: int(v.subs(values)) for k, v in static_memory(s).items()}
-    base = sum(static.values())
     peak_flops = device.peak_flops(s.compute_dtype)
 
     def seconds(work, rows):
@@ -226,6 +225,7 @@ def plan(s: Scenario, device: Device, budget: int | None = None) -> CostPlan:
     transient = int(call_memory(s, ckpt).subs({ROWS: g.update_rows, **values}))
     native = _estimate("native", static, {"activations (one call)": transient}, budget, native_s, native_f,
                        note="the untransformed program")
+    static = {**static, **_gathered(s)}  # what a rewritten step holds besides native's
 
     # What one eligible step saves when the update does not run its forward (per window call: the forward and,
     # under checkpointing, its recomputation).
@@ -239,8 +239,17 @@ def plan(s: Scenario, device: Device, budget: int | None = None) -> CostPlan:
                          ("retain",) * g.eligible, note=f"every trained step keeps {format_bytes(step_bytes)}")
     reweight = _reweight(s, g, static, budget, native_s, native_f, fwd_u, bwd_u, device, values)
     auto = _auto(s, g, static, budget, native, reweight, step_bytes, transient, saved_s, saved_f, device)
-    limits = _limits(s, g, base, budget)
+    limits = _limits(s, g, sum(static.values()), budget)
     return CostPlan(device.name, budget, (native, retained, reweight, auto), limits)
+
+
+def _gathered(s: Scenario) -> dict[str, int]:
+    """Under FSDP2 a rewritten step runs on the whole weights (trainers.parallel): every rank holds the rest of the
+    weights and whole gradients until they are reduce-scattered."""
+    if s.sharding != "fsdp" or s.world_size == 1:
+        return {}
+    whole = (s.total_params - s.trainable_params) * s.weight_bytes + 2 * s.trainable_params * s.trainable_bytes
+    return {"gathered (FSDP2)": whole - whole // s.world_size}
 
 
 def _estimate(name, static, extra, budget, seconds, flops, steps=(), runs="", note="") -> Estimate:
@@ -255,7 +264,7 @@ def _reweight(s, g, static, budget, native_s, native_f, fwd_u, bwd_u, device, va
     if s.reweight_refusal is not None:
         return Estimate("reweight", False, 0, (), math.inf, math.inf, note=s.reweight_refusal)
     backwards = (1 + s.advantage_free) * s.per_sample_backwards
-    buffer = s.trainable_params * s.trainable_bytes // (s.world_size if s.sharding == "fsdp" else 1)
+    buffer = s.trainable_params * s.trainable_bytes  # per-sample gradients are whole, also under FSDP2
     count = s.buffers if s.buffers is not None else g.window_samples * (1 + s.advantage_free)
     trained = g.window_samples * cfg.num_trained_steps
     segments = 2 if cfg.use_cfg else 1

@@ -25,8 +25,6 @@ import contextlib
 import torch
 import torch.distributed as dist
 
-ENGINES = ("none", "ddp", "fsdp")
-
 
 class GradientSync:
     """One process: every backward's gradient is already the step's."""
@@ -104,7 +102,6 @@ class FSDPSync(GradientSync):
         super().__init__()
         from torch.distributed.fsdp import FSDPModule, fully_shard
         from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
-        from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
 
         sync = self
 
@@ -123,7 +120,6 @@ class FSDPSync(GradientSync):
             module.set_custom_reduce_scatter(CountedReduceScatter())
         self.shards = {n: p for n, p in backbone.named_parameters() if p.requires_grad}
         self.gathered = False
-        self._fsdp_state = FSDPState
         self._view = None  # (plain backbone, whole trainable weights), built on the first gather
         self._whole = {}  # name -> whole parameter (the module's unsharded one; FSDP2 reuses it across gathers)
 
@@ -150,7 +146,7 @@ class FSDPSync(GradientSync):
         self.gather()
         if self._view is None:
             self._whole = {n: p for n, p in self.root.named_parameters() if n in self.shards}
-            view = _without_fsdp(self.root, self._fsdp_state)
+            view = _without_fsdp(self.root)
             # A call after an optimizer step (which updates the shards) gathers the new weights first.
             view.register_forward_pre_hook(lambda *_: self.gather())
             self._view = view, [self._whole[n] for n in trainer.trainable_names]
@@ -187,7 +183,8 @@ class FSDPSync(GradientSync):
             grad = p.grad.new_zeros((self.world_size * r, *p.shape[1:]))
             grad[:p.shape[0]] = p.grad
             padded.append(grad.view(self.world_size, -1))
-        flat = torch.cat(padded, dim=1)  # row k: rank k's chunk of every gradient
+        # row k: rank k's chunk of every gradient (every rank joins the collective, with or without gradients)
+        flat = torch.cat(padded, dim=1) if padded else torch.zeros(self.world_size, 0)
         mine = flat.new_empty(flat.shape[1])
         dist.reduce_scatter_tensor(mine, flat.flatten())
         self.collectives += 1
@@ -205,11 +202,12 @@ class FSDPSync(GradientSync):
         return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
 
 
-def _without_fsdp(module: torch.nn.Module, fsdp_state: type) -> torch.nn.Module:
+def _without_fsdp(module: torch.nn.Module) -> torch.nn.Module:
     """A copy of ``module``'s tree as its own classes, sharing its current parameters and buffers, without FSDP's
     forward hooks (which would re-register the weights on the module and defeat a functional call)."""
     from torch.distributed._composable.contract import REGISTRY_KEY, STATE_KEY
     from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
 
     cls = type(module)
     if issubclass(cls, FSDPModule):  # fully_shard made the class FSDP<cls>(FSDPModule, cls)
@@ -218,10 +216,10 @@ def _without_fsdp(module: torch.nn.Module, fsdp_state: type) -> torch.nn.Module:
     plain.__dict__.update({k: v for k, v in module.__dict__.items() if k not in (STATE_KEY, REGISTRY_KEY)})
     plain._parameters = dict(module._parameters)
     plain._buffers = dict(module._buffers)
-    plain._modules = {name: _without_fsdp(child, fsdp_state) for name, child in module._modules.items()}
+    plain._modules = {name: _without_fsdp(child) for name, child in module._modules.items()}
     for name in ("_forward_pre_hooks", "_forward_hooks"):
         hooks = getattr(module, name)
-        kept = type(hooks)((k, h) for k, h in hooks.items() if not isinstance(getattr(h, "__self__", None), fsdp_state))
+        kept = type(hooks)((k, h) for k, h in hooks.items() if not isinstance(getattr(h, "__self__", None), FSDPState))
         setattr(plain, name, kept)
     return plain
 
