@@ -218,3 +218,34 @@ def test_linearity_refuses_a_loss_non_linear_in_the_advantages():
     assert not linearity.affine and "pow" in linearity.reason
     plan = optimize(trainer, "retain").plan
     assert plan.schedule == "retain" and "Reweight would be refused" in plan.linearity and "pow" in plan.linearity
+
+
+def test_scatters_into_fresh_buffers_are_written_in_place():
+    """Functionalization turns ``out[..., 0::2] = a`` into whole-buffer scatters; the pass writes the slices in
+    place where nothing else reads the buffer, and leaves a scatter whose input is read elsewhere alone."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from leancompile.passes.inplace import write_scatters_in_place
+
+    def halves(x):  # Wan's rotary embedding
+        out = torch.empty_like(x)
+        out[..., 0::2] = x[..., 1::2] * 2
+        out[..., 1::2] = x[..., 0::2] - 1
+        return out * x
+
+    def read_between(x):
+        out = torch.zeros_like(x)
+        out[..., 0::2] = x[..., 0::2]
+        first = out * 3  # reads the buffer between the writes: the second write must not clobber it
+        out[..., 1::2] = 1.0
+        return first, out
+
+    x = torch.randn(3, 8, dtype=torch.float64)
+    for fn, expected in ((halves, 2), (read_between, 1)):
+        gm = make_fx(torch.func.functionalize(fn))(x)
+        scatters = lambda: sum(n.target is torch.ops.aten.slice_scatter.default for n in gm.graph.nodes)
+        assert scatters() == 2
+        assert write_scatters_in_place(gm) == expected and scatters() == 2 - expected
+        for got, want in zip(torch.utils._pytree.tree_leaves(gm(x)), torch.utils._pytree.tree_leaves(fn(x))):
+            assert torch.equal(got, want)
+        assert all(n.meta[REWRITE] == "in-place" for n in gm.graph.nodes if n.target is torch.ops.aten.copy_.default)

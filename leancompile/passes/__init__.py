@@ -7,6 +7,7 @@ every graph after each.
 from .backbone import SharedBackbone, detect_shared_backbone
 from .capture import BackboneCall, Programs, capture, capture_provisional
 from .gradients import GradientNeed, prune_gradient_need
+from .inplace import write_scatters_in_place
 from .linearity import Linearity, check_linearity
 from .moments import BufferPlan, advantage_bound, clip_never_binds, max_abs_advantage, reweight_buffers
 from .rewrite import RewrittenPrograms, rewrite_for_retain
@@ -32,4 +33,5 @@ __all__ = [
     "prune_gradient_need",
     "reweight_buffers",
     "rewrite_for_retain",
+    "write_scatters_in_place",
 ]

@@ -19,6 +19,7 @@ from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from ..backbones import Conditioning
+from ..passes.inplace import write_scatters_in_place
 
 
 @dataclass
@@ -94,6 +95,7 @@ class PartitionedBackbone:
             self.forward_graph = gm
             if not run:
                 raise _Partitioned
+            write_scatters_in_place(gm)
             return make_boxed_func(gm)
 
         def keep_backward(gm, _):
