@@ -148,7 +148,7 @@ def test_under_that_budget_auto_is_no_slower_than_the_fastest_schedule_that_fits
     cost = auto.plan.cost
     fitting = [s for s in ("native", "retain", "reweight") if cost[s].fits]
     programs = {"auto": auto, **{s: optimize(_trainer(config), s) for s in fitting}}
-    seconds = _interleaved_seconds(programs, repetitions=5)
+    seconds = _interleaved_seconds(programs, repetitions=9)  # steps of ~0.1 s: medians of 5 spread by ~3%
     assert seconds["auto"] <= min(seconds[s] for s in fitting) * 1.03, seconds
 
 
