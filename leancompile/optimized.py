@@ -17,6 +17,7 @@ class Optimized:
     plan: Plan
     graphs: dict
     _runtime: Runtime | None
+    _sync_deferred = False  # a backward that should have synced the gradients left it to the runtime
 
     def explain(self) -> str:
         from .explain import explain_text
@@ -103,13 +104,13 @@ class Optimized:
             return super().backward(loss, sync)
         # While the rollout's work is pending, the gradient sync waits for the runtime's own backward.
         defer = runtime.window_refusal() is None
-        self._sync_deferred = getattr(self, "_sync_deferred", False) or (defer and sync)
+        self._sync_deferred = self._sync_deferred or (defer and sync)
         super().backward(loss, sync and not defer)
         runtime.after_backward()
 
     def optimizer_step(self):
         if self._runtime is not None:
-            deferred, self._sync_deferred = getattr(self, "_sync_deferred", False), False
+            deferred, self._sync_deferred = self._sync_deferred, False
             if not self._runtime.before_optimizer_step(self.sync.backward(deferred)) and deferred:
                 self.sync.flush(self.trainable)
         super().optimizer_step()

@@ -15,9 +15,10 @@ from .profile import profile_call
 TRAINERS = {"flowgrpo": FlowGRPOConfig, "dancegrpo": DanceGRPOConfig}
 
 
-def trainer_scenario(trainer, samples_per_step: int, **reweight) -> Scenario:
-    """The scenario of ``trainer``'s GRPO step over ``samples_per_step`` samples; ``reweight`` holds the Scenario
-    fields the passes decide (refusal, advantage-free terms, per-sample backwards, buffers)."""
+def trainer_scenario(trainer, samples_per_step: int, **fields) -> Scenario:
+    """The scenario of ``trainer``'s GRPO step over ``samples_per_step`` samples; ``fields`` holds the Scenario
+    fields the passes and the data-parallel engine decide (Reweight's refusal, advantage-free terms, per-sample
+    backwards and buffers; world size and sharding)."""
     cfg, backbone = trainer.config, trainer.backbone
     autocast = torch.bfloat16 if cfg.mixed_precision == "bf16" else None
     trainable = trainer.trainable
@@ -31,7 +32,7 @@ def trainer_scenario(trainer, samples_per_step: int, **reweight) -> Scenario:
                     weight_bytes=frozen[0].element_size() if frozen else dtype.itemsize,
                     trainable_bytes=trainable[0].element_size() if trainable else dtype.itemsize,
                     latent_bytes=math.prod(backbone.latent_shape) * dtype.itemsize,
-                    compute_dtype=autocast or dtype, **reweight)
+                    compute_dtype=autocast or dtype, **fields)
 
 
 _PROFILES: dict = {}

@@ -380,15 +380,15 @@ class GRPOTrainer:
             schedule = self.trained_step_schedule(rollout.num_samples, rollout.sde_steps)
             batches = self.micro_batches(advantages)
             for b, rows in enumerate(batches):
-                steps_after = (b + 1) % cfg.gradient_accumulation_steps == 0 or b == len(batches) - 1
+                optimizer_step_follows = (b + 1) % cfg.gradient_accumulation_steps == 0 or b == len(batches) - 1
                 for j in range(k):
                     micro = self.micro_step(rollout, advantages, rows, schedule[rows, j])
                     loss, info = self.micro_step_loss(micro)
-                    self.backward(loss * scale, sync=steps_after and j == k - 1)
+                    self.backward(loss * scale, sync=optimizer_step_follows and j == k - 1)
                     for key, value in {"loss": loss.detach(), **info}.items():
                         totals[key] = totals.get(key, 0.0) + float(value)
                     count += 1
-                if steps_after:
+                if optimizer_step_follows:
                     self.optimizer_step()
         return {key: value / max(count, 1) for key, value in totals.items()}
 
