@@ -134,15 +134,9 @@ def running(trainer, backbone):
         trainer.__dict__["backbone"] = original
 
 
-@contextlib.contextmanager
 def swapped_backbone(trainer, call):
     """Route the trainer's backbone calls (``self.backbone(...)``) to ``call`` for the duration."""
-    original = trainer.backbone
-    trainer.__dict__["backbone"] = _CallAs(original, call)
-    try:
-        yield
-    finally:
-        trainer.__dict__["backbone"] = original
+    return running(trainer, _CallAs(trainer.backbone, call))
 
 
 class _CallAs:
