@@ -4,8 +4,8 @@ gradient, at the cost of the ordinary backward.
 A linear layer's weight gradient is one ``mm`` over all rows and tokens, ``G = D^T X`` with ``D`` and ``X`` of
 ``rows x tokens`` rows each (batch-major, as ``F.linear`` flattens them). Split that contraction by row and it
 gives every row's own gradient: ``G_r = D_r^T X_r``, one ``bmm``. This pass finds, for each requested weight, the
-``mm`` its gradient output comes from (through transposes), inserts the ``bmm`` next to it and passes its result to
-:func:`deliver_per_row_gradient`; the graph's own outputs are unchanged.
+``mm`` its gradient output comes from (through transposes), replaces it by the ``bmm`` and the sum of its rows, and
+passes the ``bmm``'s result to :func:`deliver_per_row_gradient`; the graph's outputs are the same sums.
 
 Before::
 
@@ -14,9 +14,10 @@ Before::
 
 After::
 
-    %mm = aten.mm(%t_d, %x)
     %per_row_d_j = aten.permute(aten.reshape(%t_d, (o, rows, tokens)), (1, 0, 2))
     %per_row_grad_j = aten.bmm(%per_row_d_j, aten.reshape(%x, (rows, tokens, i)))
+    %sum_of_rows_j = aten.sum(%per_row_grad_j, [0])
+    %t_1 = aten.t(%sum_of_rows_j); %grad = aten.t(%t_1)
     deliver_per_row_gradient(token, j, %per_row_grad_j)
 """
 from __future__ import annotations
@@ -76,6 +77,12 @@ def split_weight_gradients_per_row(gm: fx.GraphModule, outputs: dict[int, int], 
             x = graph.call_function(aten.reshape.default, (right, [rows, tokens, i]))
         with graph.inserting_after(x):
             grad = graph.call_function(aten.bmm.default, (d, x))
+        # The whole-batch product is the sum of the rows' products: one contraction instead of two.
+        with graph.inserting_after(grad):
+            total = graph.call_function(aten.sum.dim_IntList, (grad, [0]))
+        mm.replace_all_uses_with(total)
+        graph.erase_node(mm)
+        total.name = f"sum_of_rows_{index}"
         last = grad
         if transposes % 2:
             with graph.inserting_after(grad):
@@ -83,7 +90,7 @@ def split_weight_gradients_per_row(gm: fx.GraphModule, outputs: dict[int, int], 
         with graph.inserting_after(last):
             graph.call_function(deliver_per_row_gradient, (token, index, last))
         grad.name = f"per_row_grad_{index}"
-        for node in (d, x, grad, last):
+        for node in (d, x, grad, total, last):
             node.meta[REWRITE] = "inserted"
     graph.lint()
     gm.recompile()
