@@ -98,6 +98,11 @@ class Optimized:
         with swapped_backbone(self, call):
             return super().train_velocity(micro)
 
+    def reference_velocity(self, micro):
+        if self._runtime is None:
+            return super().reference_velocity(micro)
+        return self._runtime.reference_velocity(micro, super().reference_velocity)
+
     def backward(self, loss, sync=True):
         runtime = self._runtime
         if runtime is None:

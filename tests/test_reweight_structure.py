@@ -1,5 +1,7 @@
 """Structural tests of Reweight: the provisional backward in the rollout, the correction nodes, what the plan
 chooses and refuses, and the clip bound behind the moment accumulators."""
+import contextlib
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -38,6 +40,56 @@ def test_the_provisional_rollout_backpropagates_the_kept_call_once():
     assert [g.name for g in grads] == [f"provisional_grad_{i}" for i in range(len(grads))]
     assert [g.meta[PROVISIONAL] for g in grads] == trainer.trainable_names
     assert [tuple(g.meta["val"].shape) for g in grads] == [tuple(p.shape) for p in trainer.trainable]
+
+
+def test_the_kl_reference_runs_once_per_trained_sample_and_step_as_in_native():
+    """Reweight evaluates the loss head twice in the rollout (``A = 1`` and ``A = 0``) and once more in the update;
+    the reference forward runs in the first and the others read its velocity back."""
+    rows, kl = {}, {}
+    for schedule in ("native", "reweight"):
+        trainer = optimize(_trainer(beta=0.05, guidance_scale=2.0, lora_rank=2, dtype="float64", train_batch_size=2,
+                                    gradient_accumulation_steps=2), schedule=schedule)
+        rows[schedule] = 0
+        reference_model = trainer.reference_model
+
+        @contextlib.contextmanager
+        def counted():
+            with reference_model() as model:
+                def call(x, *args):
+                    rows[schedule] += x.shape[0]
+                    return model(x, *args)
+                yield call
+
+        trainer.reference_model = counted
+        stats = trainer.step([1, 2])
+        kl[schedule] = float(stats["kl"])
+        if schedule == "reweight":
+            assert stats["reused_micro_steps"] > 0 and stats["recomputed_micro_steps"] == 0
+    assert rows["reweight"] == rows["native"] > 0
+    assert kl["reweight"] == pytest.approx(kl["native"], rel=1e-10)
+
+
+def test_per_row_split_computes_each_lora_weight_gradient_once():
+    """The backward graph of a LoRA rollout call hands over every row's weight gradient, and the batch's
+    gradient is the sum of those rows: one contraction per weight, no ``mm`` left beside the ``bmm``."""
+    trainer = optimize(_trainer(lora_rank=2, group_size=3), schedule="reweight")
+    trainer.step([1, 2])
+    per_sample = trainer._runtime.per_sample
+    assert per_sample.split, per_sample.refused
+    nodes = list(per_sample.partitioned.backward_graph.graph.nodes)
+    per_row = [n for n in nodes if n.name.startswith("per_row_grad_")]
+    sums = [n for n in nodes if n.name.startswith("sum_of_rows_")]
+    assert len(per_row) == len(sums) == len(trainer.trainable)
+    assert all(n.meta[REWRITE] == "inserted" for n in per_row + sums)
+    assert all(s.args[0] is b for s, b in zip(sums, per_row))
+    # the weight gradients the graph returns come from those sums (through transposes), not from an ``mm``
+    sources = []
+    for node in next(n for n in nodes if n.op == "output").args[0]:
+        while isinstance(node, torch.fx.Node) and str(node.target) == "aten.t.default":
+            node = node.args[0]
+        sources.append(node)
+    assert set(sums) <= set(sources)
+    assert not any(isinstance(n, torch.fx.Node) and str(n.target) == "aten.mm.default" for n in sources)
 
 
 @pytest.mark.parametrize("beta, clip, mode, sums", [(0.0, 5.0, "accumulators", 1), (0.05, 0.5, "per-sample", 2)])

@@ -268,17 +268,14 @@ def _reweight(s, g, static, budget, native_s, native_f, fwd_u, bwd_u, device, va
     count = s.buffers if s.buffers is not None else g.window_samples * (1 + s.advantage_free)
     trained = g.window_samples * cfg.num_trained_steps
     segments = 2 if cfg.use_cfg else 1
-    kept = 2 * trained * segments * s.latent_bytes
+    kept = 2 * trained * (segments + (cfg.beta > 0)) * s.latent_bytes
     # Per window call: the update's forward and backward move into the rollout, the backward `backwards` times;
     # each (sample, step) adds its gradient into a buffer (read, add, write) and the correction reads them all.
     per_step = g.window_calls * (fwd_u * (1 + cfg.gradient_checkpointing) + bwd_u * (1 - backwards))
     traffic = (3 * trained + 2 * count) * buffer / device.bandwidth
-    # A KL term's reference forward runs in every loss head: once per provisional advantage in the rollout and
-    # again in the update's (no-grad) head, where native runs it once.
-    heads = (cfg.beta > 0) * (1 + s.advantage_free)
-    per_step -= g.window_calls * heads * fwd_u
+    # A KL term's reference forward moves into the rollout's first loss head; the others read its kept velocity.
     flops = native_f - g.eligible * g.window_calls * g.update_rows * (
-        s.profile.forward.total_flops * (1 + cfg.gradient_checkpointing - heads)
+        s.profile.forward.total_flops * (1 + cfg.gradient_checkpointing)
         + s.profile.backward.total_flops * (1 - backwards))
     transient = int(call_memory(s, False, partition=True).subs({ROWS: g.rollout_rows, **values}))
     return _estimate("reweight", static, {"gradient buffers": count * buffer, "kept outputs": kept,

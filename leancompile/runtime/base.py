@@ -113,6 +113,10 @@ class Runtime:
         """A callable replacing the backbone for the update's call in ``micro``, or None."""
         return None
 
+    def reference_velocity(self, micro, compute):
+        """The KL reference's velocity for ``micro`` (``compute(micro)``: the trainer's own call)."""
+        return compute(micro)
+
     def after_backward(self) -> None:
         pass
 

@@ -8,7 +8,8 @@ rollout evaluates the trainer's own loss head on the step's output (a leaf: no s
 rows that train it, at ``A = 1`` (and at ``A = 0`` when there are advantage-free terms), which gives the
 cotangents of ``P_i`` and ``F_i`` on the backbone's output; one backward of the batched call (two with
 advantage-free terms) gives every sample's ``dP_i`` and ``dF_i`` (:mod:`leancompile.runtime.per_sample`), summed
-over the sample's trained steps into its buffers. The call's output values are kept (a latent per row and step).
+over the sample's trained steps into its buffers. The call's output values are kept (a latent per row and step),
+and so is a KL reference's velocity: the reference runs once per (sample, step), as in the native update.
 
 A micro-step of the update before the first optimizer step whose rows all have buffers runs only its loss head,
 without grad, on the kept outputs (its loss and statistics are the native ones); the weight ``w`` the trainer's
@@ -59,6 +60,7 @@ class ReweightState(StepState):
     window: set = field(default_factory=set)  # samples whose trained steps the rollout backpropagates
     call: ProvisionalCall | None = None
     kept: dict = field(default_factory=dict)  # (sample, step) -> (backbone inputs, outputs) of the sample's rows
+    reference: dict = field(default_factory=dict)  # (sample, step) -> (input latent, KL reference's velocity)
     policy: dict = field(default_factory=dict)  # sample -> [dP_i per parameter]
     free: dict = field(default_factory=dict)  # sample -> [dF_i per parameter]
     groups: dict = field(default_factory=dict)  # group -> GroupMoments
@@ -68,7 +70,7 @@ class ReweightState(StepState):
     unusable_reason: str = "the rollout backpropagated nothing"
     weights: dict = field(default_factory=dict)  # sample -> [w / |micro-batch| of each skipped micro-step]
     buffer_bytes: int = 0
-    kept_bytes: int = 0  # the kept backbone inputs and outputs, read by the reweighted micro-steps' loss heads
+    kept_bytes: int = 0  # kept backbone inputs, outputs and reference velocities, read by the update's heads
     peak_buffer_bytes: int = 0
     peak_buffers: int = 0
 
@@ -104,6 +106,7 @@ class ReweightRuntime(Runtime):
         self.accumulate = accumulate
         self.advantage_free = advantage_free  # the loss has advantage-free terms: a second cotangent
         self._serving = None  # the update micro-step whose loss head reads the kept outputs
+        self._keeping_reference = False  # the rollout's loss heads are running: keep the reference velocities
         self.per_sample = PerSampleGradients(trainer.backbone, trainer.trainable)
         self.correction = Correction(trainer.trainable)
         self._buffer_size = sum(p.numel() * p.element_size() for p in trainer.trainable)
@@ -173,6 +176,25 @@ class ReweightRuntime(Runtime):
 
         return call
 
+    def reference_velocity(self, micro, compute):
+        """The KL reference runs once per (sample, step), in the rollout's first loss head, as native runs it once
+        in the update; the second head (``A = 0``) and the update's heads read it back while the weights are the
+        rollout's."""
+        s = self.state
+        keys = list(zip(micro.rows.tolist(), micro.steps.tolist()))
+        if self.window_refusal() is None and all(k in s.reference for k in keys):
+            if not torch.equal(torch.stack([s.reference[k][0] for k in keys]), micro.x):
+                raise RuntimeError("leancompile: a loss head's reference input differs from the rollout's; the "
+                                   "rows/steps mapping is wrong (please report this)")
+            return torch.stack([s.reference[k][1] for k in keys])
+        velocity = compute(micro)
+        if self._keeping_reference:
+            for key, x, v in zip(keys, micro.x, velocity):
+                if key not in s.reference:
+                    s.reference[key] = (x, v)
+                    s.kept_bytes += x.numel() * x.element_size() + v.numel() * v.element_size()
+        return velocity
+
     def after_rollout_step(self, step, rows, x, x_next, log_prob, cond, loss_fn) -> None:
         s, call = self.state, self.state.call
         if call is not None and call.step == step:
@@ -194,17 +216,21 @@ class ReweightRuntime(Runtime):
             at = torch.tensor(positions, device=x.device)
             call.leaf_rows = (torch.arange(self.segments, device=x.device)[:, None] * b + at).flatten()
             grads = []
-            for a in ((1.0, 0.0) if self.advantage_free else (1.0,)):
-                call.leaf = None
-                micro = MicroStep(rows=call.rows[positions].to(x.device), steps=torch.full_like(at, call.step),
-                                  x=x[at], prev_sample=x_next[at], sigma=sigmas[call.step].expand(len(at)),
-                                  sigma_next=sigmas[call.step + 1].expand(len(at)), cond=cond.index(at),
-                                  log_prob_old=log_prob[at], advantages=torch.full((len(at),), a, dtype=x.dtype))
-                loss, _ = loss_fn(micro)
-                # The head's loss is the mean over its rows of per-row losses: undo the mean.
-                grads.append(len(at) * torch.autograd.grad(loss, call.leaf, allow_unused=True,
-                                                           materialize_grads=True)[0]
-                             if call.leaf is not None and loss.requires_grad else None)
+            self._keeping_reference = True
+            try:
+                for a in ((1.0, 0.0) if self.advantage_free else (1.0,)):
+                    call.leaf = None
+                    micro = MicroStep(rows=call.rows[positions].to(x.device), steps=torch.full_like(at, call.step),
+                                      x=x[at], prev_sample=x_next[at], sigma=sigmas[call.step].expand(len(at)),
+                                      sigma_next=sigmas[call.step + 1].expand(len(at)), cond=cond.index(at),
+                                      log_prob_old=log_prob[at], advantages=torch.full((len(at),), a, dtype=x.dtype))
+                    loss, _ = loss_fn(micro)
+                    # The head's loss is the mean over its rows of per-row losses: undo the mean.
+                    grads.append(len(at) * torch.autograd.grad(loss, call.leaf, allow_unused=True,
+                                                               materialize_grads=True)[0]
+                                 if call.leaf is not None and loss.requires_grad else None)
+            finally:
+                self._keeping_reference = False
             if grads[0] is not None:
                 cot_policy[call.leaf_rows] = grads[0] - (grads[1] if len(grads) > 1 else 0)
                 if len(grads) > 1:

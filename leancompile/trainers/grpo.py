@@ -218,6 +218,11 @@ class GRPOTrainer:
                 return self.backbone(micro.x, self.model_timestep(micro.sigma).to(micro.x.dtype), micro.cond).to(micro.x.dtype)
         return self.guided_velocity(self.backbone, micro.x, micro.sigma, micro.cond, detach_uncond=cfg.cfg_detach_uncond)
 
+    def reference_velocity(self, micro: MicroStep) -> torch.Tensor:
+        """Backbone call site 3: the KL reference's velocity at the update's inputs (no grad)."""
+        with torch.no_grad(), self.reference_model() as ref:
+            return self.guided_velocity(ref, micro.x, micro.sigma, micro.cond)
+
     # ------------------------------------------------------------------------------------------- rollout
 
     def sde_mask(self) -> torch.Tensor:
@@ -343,8 +348,8 @@ class GRPOTrainer:
             "approx_kl": (0.5 * (res.log_prob - micro.log_prob_old) ** 2).mean().detach(),
         }
         if cfg.beta > 0:
-            with torch.no_grad(), self.reference_model() as ref:
-                v_ref = self.guided_velocity(ref, micro.x, micro.sigma, micro.cond)
+            v_ref = self.reference_velocity(micro)
+            with torch.no_grad():
                 mean_ref = self.step_fn(micro.x, v_ref, micro.sigma, micro.sigma_next, cfg.noise,
                                         prev_sample=micro.prev_sample).mean
             dims = tuple(range(1, res.mean.dim()))
