@@ -4,7 +4,7 @@ import torch
 
 from leancompile import backbones, optimize, passes
 from leancompile.passes.backbone import backbone_calls, call_boundary
-from leancompile.passes.meta import CALL, INPUT, LINEARITY, NEEDS_GRAD, PROVENANCE, REWRITE, SHARED
+from leancompile.passes.meta import CALL, INPUT, LINEARITY, MATMUL_ORDER, NEEDS_GRAD, PROVENANCE, REWRITE, SHARED
 from leancompile.passes.rewrite import RETAINED, REUSED
 from leancompile.trainers import DanceGRPOConfig, FlowGRPOConfig, FlowGRPOTrainer
 
@@ -249,3 +249,42 @@ def test_scatters_into_fresh_buffers_are_written_in_place():
         for got, want in zip(torch.utils._pytree.tree_leaves(gm(x)), torch.utils._pytree.tree_leaves(fn(x))):
             assert torch.equal(got, want)
         assert all(n.meta[REWRITE] == "in-place" for n in gm.graph.nodes if n.target is torch.ops.aten.copy_.default)
+
+
+def test_matrix_products_take_the_operand_order_their_timing_chose():
+    """A product timed faster with its operands swapped becomes ``(B^T A^T)^T`` copied back into its layout,
+    keeping its name; one timed slower stays as written; values are equal either way."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from leancompile.passes.matmul_order import ProductTiming, order_matrix_products, time_product
+
+    def lora_gradients(d, h, x):  # a weight gradient written the way autograd writes it, and a batched one
+        return d.t() @ h, torch.bmm(x.transpose(1, 2), h.view(2, 3, 4))
+
+    d, h, x = (torch.randn(*shape, dtype=torch.float64) for shape in ((6, 5), (6, 4), (2, 3, 5)))
+    gm = make_fx(lora_gradients, tracing_mode="fake")(d, h, x)
+    expected = gm(d, h, x)
+    products = [n for n in gm.graph.nodes if n.target in (torch.ops.aten.mm.default, torch.ops.aten.bmm.default)]
+    names = [n.name for n in products]
+    timings = {"mm": ProductTiming(written=1.0, swapped=0.5), "bmm": ProductTiming(written=1.0, swapped=0.95)}
+    assert order_matrix_products(gm, margin=0.1, timer=lambda n: timings[n.target._opname]) == 1
+    nodes = {n.name: n for n in gm.graph.nodes}
+    swapped = nodes[f"swapped_{names[0]}"]
+    # mm(t(d), h) -> clone(t(mm(t(h), d))): the transpose of t(d) is d itself
+    d_node = next(n for n in gm.graph.nodes if n.op == "placeholder")
+    assert swapped.args[0].target is torch.ops.aten.t.default and swapped.args[1] is d_node
+    assert nodes[names[0]].target is torch.ops.aten.clone.default
+    assert nodes[names[0]].meta[REWRITE] == swapped.meta[REWRITE] == "reordered"
+    assert nodes[names[1]].target is torch.ops.aten.bmm.default  # 5% faster is inside the margin
+    assert swapped.meta[MATMUL_ORDER] == timings["mm"] and nodes[names[1]].meta[MATMUL_ORDER] == timings["bmm"]
+    for got, want in zip(gm(d, h, x), expected):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+        assert got.stride() == want.stride()
+    both = make_fx(lora_gradients, tracing_mode="fake")(d, h, x)
+    assert order_matrix_products(both, timer=lambda n: ProductTiming(written=1.0, swapped=0.1)) == 2
+    for got, want in zip(both(d, h, x), expected):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+        assert got.stride() == want.stride()
+    # the timer itself runs both orders on the graph's device and caches per signature
+    timing = time_product(products[1])
+    assert 0 < timing.written < 1 and 0 < timing.swapped < 1 and time_product(products[1]) is timing

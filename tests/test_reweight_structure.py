@@ -80,7 +80,8 @@ def test_per_row_split_computes_each_lora_weight_gradient_once():
     per_row = [n for n in nodes if n.name.startswith("per_row_grad_")]
     sums = [n for n in nodes if n.name.startswith("sum_of_rows_")]
     assert len(per_row) == len(sums) == len(trainer.trainable)
-    assert all(n.meta[REWRITE] == "inserted" for n in per_row + sums)
+    # a product the device runs faster with its operands swapped is "reordered" (passes.matmul_order)
+    assert all(n.meta[REWRITE] in ("inserted", "reordered") for n in per_row + sums)
     assert all(s.args[0] is b for s, b in zip(sums, per_row))
     # the weight gradients the graph returns come from those sums (through transposes), not from an ``mm``
     sources = []

@@ -1,9 +1,10 @@
 """The backbone compiled by AOTAutograd and split by the min-cut partitioner.
 
 Called with grad, the compiled backbone runs the partition's forward graph and saves exactly the tensors its
-backward graph needs: the activations a Retain plan keeps from the rollout until the update's backward. One
-compilation per input signature (shapes, dtypes, autocast, adapter state); the forward and backward graphs of
-the last compilation are kept for inspection.
+backward graph needs: the activations a Retain plan keeps from the rollout until the update's backward. Both graphs
+run eagerly after two passes: scatters into fresh buffers written in place, and each matrix product in the operand
+order the device runs faster. One compilation per input signature (shapes, dtypes, autocast, adapter state); the
+forward and backward graphs of the last compilation are kept for inspection.
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from ..backbones import Conditioning
 from ..passes.inplace import write_scatters_in_place
+from ..passes.matmul_order import order_matrix_products
 
 
 @dataclass
@@ -96,11 +98,13 @@ class PartitionedBackbone:
             if not run:
                 raise _Partitioned
             write_scatters_in_place(gm)
+            order_matrix_products(gm)
             return make_boxed_func(gm)
 
         def keep_backward(gm, _):
             if self.backward_pass is not None:
                 gm = self.backward_pass(gm, rows)
+            order_matrix_products(gm)
             self.backward_graph = gm
             return make_boxed_func(gm)
 
