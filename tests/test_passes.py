@@ -288,3 +288,24 @@ def test_matrix_products_take_the_operand_order_their_timing_chose():
     # the timer itself runs both orders on the graph's device and caches per signature
     timing = time_product(products[1])
     assert 0 < timing.written < 1 and 0 < timing.swapped < 1 and time_product(products[1]) is timing
+
+
+def test_multiplications_by_one_are_dropped_where_they_return_their_input():
+    """``x * 1.0`` (peft's LoRA scaling at ``lora_alpha = r``) goes; a product by one that promotes, changes the
+    layout or is a graph output stays."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from leancompile.passes.identities import drop_multiplications_by_one
+
+    def scaled(x, row, ints):
+        lora = (x * 1.0).exp() + row * 1.0  # both dropped
+        # kept: a promotion, a strided input (the product is dense), a graph output
+        return lora, ints * 1.0, (x[:, ::2] * 1).exp(), x * 1.0
+
+    x, row, ints = torch.randn(3, 4, dtype=torch.float64), torch.randn(4, dtype=torch.float64), torch.arange(4)
+    gm = make_fx(scaled, tracing_mode="fake")(x, row, ints)
+    multiplications = lambda: sum(n.target is torch.ops.aten.mul.Tensor for n in gm.graph.nodes)
+    before = multiplications()
+    assert drop_multiplications_by_one(gm) == 2 and multiplications() == before - 2
+    for got, want in zip(gm(x, row, ints), scaled(x, row, ints)):
+        assert torch.equal(got, want) and got.dtype == want.dtype and got.stride() == want.stride()

@@ -7,7 +7,9 @@ every graph after each.
 from .backbone import SharedBackbone, detect_shared_backbone
 from .capture import BackboneCall, Programs, capture, capture_provisional
 from .gradients import GradientNeed, prune_gradient_need
+from .identities import drop_multiplications_by_one
 from .inplace import write_scatters_in_place
+from .matmul_order import order_matrix_products
 from .linearity import Linearity, check_linearity
 from .moments import BufferPlan, advantage_bound, clip_never_binds, max_abs_advantage, reweight_buffers
 from .rewrite import RewrittenPrograms, rewrite_for_retain
@@ -29,7 +31,9 @@ __all__ = [
     "check_validity",
     "clip_never_binds",
     "detect_shared_backbone",
+    "drop_multiplications_by_one",
     "max_abs_advantage",
+    "order_matrix_products",
     "prune_gradient_need",
     "reweight_buffers",
     "rewrite_for_retain",

@@ -2,9 +2,9 @@
 
 Called with grad, the compiled backbone runs the partition's forward graph and saves exactly the tensors its
 backward graph needs: the activations a Retain plan keeps from the rollout until the update's backward. Both graphs
-run eagerly after two passes: scatters into fresh buffers written in place, and each matrix product in the operand
-order the device runs faster. One compilation per input signature (shapes, dtypes, autocast, adapter state); the
-forward and backward graphs of the last compilation are kept for inspection.
+run eagerly after three passes: scatters into fresh buffers written in place, multiplications by one dropped, and
+each matrix product in the operand order the device runs faster. One compilation per input signature (shapes,
+dtypes, autocast, adapter state); the forward and backward graphs of the last compilation are kept for inspection.
 """
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from ..backbones import Conditioning
+from ..passes.identities import drop_multiplications_by_one
 from ..passes.inplace import write_scatters_in_place
 from ..passes.matmul_order import order_matrix_products
 
@@ -98,12 +99,14 @@ class PartitionedBackbone:
             if not run:
                 raise _Partitioned
             write_scatters_in_place(gm)
+            drop_multiplications_by_one(gm)
             order_matrix_products(gm)
             return make_boxed_func(gm)
 
         def keep_backward(gm, _):
             if self.backward_pass is not None:
                 gm = self.backward_pass(gm, rows)
+            drop_multiplications_by_one(gm)
             order_matrix_products(gm)
             self.backward_graph = gm
             return make_boxed_func(gm)
