@@ -23,6 +23,8 @@ Methods:
     trained_step_schedule(num_samples, sde_steps), micro_step(rollout, advantages, rows, steps),
         micro_step_loss(micro), train_velocity(micro): the update's schedule, inputs, loss and backbone call site.
         ``micro_step_loss`` is the mean over the micro-batch's rows of a per-row loss (Reweight reads it so).
+    reference_velocity(micro), optional: the KL reference's velocity, if the loss computes it through this method
+        (``GRPOTrainer``'s does); Reweight then runs the reference once per trained sample and step.
     update(rollout, advantages), backward(loss, sync), optimizer_step(): the update, its backward (``sync``: the
         last before an optimizer step, which completes the gradient across ranks) and optimizer step.
 """

@@ -19,6 +19,7 @@ import time
 from dataclasses import dataclass
 
 import torch
+from torch.utils._python_dispatch import _disable_current_modes
 
 from .meta import MATMUL_ORDER, REWRITE
 
@@ -80,12 +81,20 @@ def time_product(node: torch.fx.Node) -> ProductTiming:
     """Time ``node`` (an ``mm`` or ``bmm``) both ways on random operands of its shapes and strides."""
     key = _signature(node)
     if key not in _TIMINGS:
-        op = node.target
-        a, b = (_random_like(arg.meta["val"]) for arg in node.args)
-        written = _seconds(lambda: op(a, b), a.device)
-        swapped = _seconds(lambda: _transposed(op(_transposed(b), _transposed(a))).contiguous(), a.device)
-        _TIMINGS[key] = ProductTiming(written, swapped)
+        # A FLOP counter or memory tracker the caller runs is not to see the trials; the graph's dtypes are explicit
+        # (a compilation under autocast has already cast), so autocast is off for them.
+        device = node.args[0].meta["val"].device.type
+        with _disable_current_modes(), torch.autocast(device, enabled=False), torch.no_grad():
+            _TIMINGS[key] = _time_both_orders(node)
     return _TIMINGS[key]
+
+
+def _time_both_orders(node: torch.fx.Node) -> ProductTiming:
+    op = node.target
+    a, b = (_random_like(arg.meta["val"]) for arg in node.args)
+    written = _seconds(lambda: op(a, b), a.device)
+    swapped = _seconds(lambda: _transposed(op(_transposed(b), _transposed(a))).contiguous(), a.device)
+    return ProductTiming(written, swapped)
 
 
 def _transpose_of(graph: torch.fx.Graph, x: torch.fx.Node, op) -> torch.fx.Node:
