@@ -55,7 +55,8 @@ def _native_plan(config, requested: str, shared: str, reason: str, findings=()) 
 
 
 def optimize(trainer, schedule: str = "auto", memory_budget: float | None = None, strict: bool = False,
-             memory_limit: int | None = None, samples_per_step: int | None = None, device=None):
+             memory_limit: int | None = None, samples_per_step: int | None = None, device=None,
+             tune_matmuls: bool = True):
     """Return a trainer that runs the same GRPO step as ``trainer`` with the redundant backbone forward removed.
 
     Args:
@@ -72,6 +73,9 @@ def optimize(trainer, schedule: str = "auto", memory_budget: float | None = None
         samples_per_step: samples per GRPO step the auto planner plans for (default: one optimizer step's worth,
             ``train_batch_size * gradient_accumulation_steps``).
         device: a :class:`leancompile.cost.Device` or registered name to plan for (default: the live device).
+        tune_matmuls: time each matrix product of the compiled backbone both ways on the device when it compiles
+            and run the faster (:mod:`leancompile.passes.matmul_order`); False runs them as traced, so that the
+            graphs and their rounding do not depend on timings.
 
     Returns:
         The optimized trainer, with ``.plan``, ``.graphs`` and ``.explain()``.
@@ -82,6 +86,8 @@ def optimize(trainer, schedule: str = "auto", memory_budget: float | None = None
         raise ValueError(f"memory_budget must be a fraction in (0, 1] of the saved activations; got {memory_budget!r}")
     if not isinstance(strict, bool):
         raise ValueError(f"strict must be True or False; got {strict!r}")
+    if not isinstance(tune_matmuls, bool):
+        raise ValueError(f"tune_matmuls must be True or False; got {tune_matmuls!r}")
     if memory_limit is not None and (not isinstance(memory_limit, int) or memory_limit <= 0):
         raise ValueError(f"memory_limit must be a positive number of bytes; got {memory_limit!r}")
     if samples_per_step is not None and (not isinstance(samples_per_step, int) or samples_per_step < 2):
@@ -97,7 +103,7 @@ def optimize(trainer, schedule: str = "auto", memory_budget: float | None = None
                                 "schedule='native': the untransformed program")
             graphs, runtime = {"rollout": programs.rollout, "update": programs.update}, None
         else:
-            plan, graphs, runtime = _compile(subject, programs, schedule, memory_budget, strict, budget)
+            plan, graphs, runtime = _compile(subject, programs, schedule, memory_budget, strict, budget, tune_matmuls)
     optimized = copy.copy(trainer)
     optimized.__class__ = optimized_class(type(trainer))
     optimized.plan = plan
@@ -122,7 +128,8 @@ class _Budget:
     device: object
 
 
-def _compile(trainer, programs, requested: str, memory_budget, strict: bool, budget: _Budget):
+def _compile(trainer, programs, requested: str, memory_budget, strict: bool, budget: _Budget,
+             tune_matmuls: bool):
     """Run the passes in order; where one finds no valid reuse, the plan is native and says why."""
     config = trainer.config
     graphs = {"rollout": programs.rollout, "update": programs.update}
@@ -163,7 +170,8 @@ def _compile(trainer, programs, requested: str, memory_budget, strict: bool, bud
         graphs = Graphs(rollout=functools.partial(passes.capture_provisional, trainer), update=programs.update,
                         rollout_traced=programs.rollout)
         accumulate = functools.partial(passes.reweight_buffers, config, bool(linearity.advantage_free))
-        runtime = ReweightRuntime(trainer, shared.layout.segments, accumulate, bool(linearity.advantage_free))
+        runtime = ReweightRuntime(trainer, shared.layout.segments, accumulate, bool(linearity.advantage_free),
+                                  tune_matmuls)
         plan = Plan("reweight", requested, _steps(config, "reweight"), _reuse_window(config), description,
                     "nothing", findings, _describe_linearity(linearity), _describe_buffers(config), choice, cost)
         return plan, graphs, runtime
@@ -172,7 +180,8 @@ def _compile(trainer, programs, requested: str, memory_budget, strict: bool, bud
     graphs = {"rollout": rewritten.rollout, "update": rewritten.update,
               "rollout_traced": programs.rollout, "update_traced": programs.update}
     runtime = RetainRuntime(trainer.backbone, trainer.trainable, shared.layout.segments, need.needed,
-                            memory_budget or 1.0, verify_inputs=not shared.cast_only, steps=steps)
+                            memory_budget or 1.0, verify_inputs=not shared.cast_only, steps=steps,
+                            tune_matmuls=tune_matmuls)
     pruned = (f"segment(s) {list(need.pruned)} of the batch carry no gradient (e.g. a detached CFG branch): "
               "run without grad, not retained") if need.pruned else "nothing"
     plan = Plan("retain", requested, _steps(config, "retain", steps), _reuse_window(config), description, pruned,

@@ -97,7 +97,10 @@ def test_predicted_speedup_is_within_fifteen_percent_of_measured():
     sizes = dict(attention_head_dim=64, num_attention_heads=4, joint_attention_dim=64, axes_dims_rope=(8, 28, 28),
                  num_layers=1, num_single_layers=1, height=16, width=16, text_len=16)
     cost = _cost(_trainer(config, **sizes))
-    seconds = _interleaved_seconds({s: optimize(_trainer(config, **sizes), s) for s in ("native", "retain")})
+    # The roofline prices a product the same in every program: it does not see what tuning the compiled products'
+    # operand order gains over eager's (passes.matmul_order), so both run their products as traced here.
+    seconds = _interleaved_seconds({s: optimize(_trainer(config, **sizes), s, tune_matmuls=False)
+                                    for s in ("native", "retain")})
     measured = seconds["native"] / seconds["retain"]
     assert abs(cost.speedup("retain") - measured) <= 0.15 * measured, (cost.speedup("retain"), measured)
 

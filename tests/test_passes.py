@@ -116,6 +116,8 @@ def test_optimize_errors_name_the_parameter():
         optimize(trainer, schedule="fast")
     with pytest.raises(ValueError, match=r"memory_budget must be a fraction in \(0, 1\]"):
         optimize(trainer, schedule="retain", memory_budget=2.0)
+    with pytest.raises(ValueError, match="tune_matmuls must be True or False"):
+        optimize(trainer, tune_matmuls="yes")
     with pytest.raises(TypeError, match="missing: .*rollout_velocity"):
         optimize(object(), schedule="retain")
 
@@ -309,3 +311,16 @@ def test_multiplications_by_one_are_dropped_where_they_return_their_input():
     assert drop_multiplications_by_one(gm) == 2 and multiplications() == before - 2
     for got, want in zip(gm(x, row, ints), scaled(x, row, ints)):
         assert torch.equal(got, want) and got.dtype == want.dtype and got.stride() == want.stride()
+
+
+@pytest.mark.parametrize("tune", [True, False])
+def test_tune_matmuls_decides_whether_the_compiled_products_are_timed(tune):
+    """Every product of the compiled backbone carries its timing when tuned; untuned, they run as traced."""
+    trainer = optimize(_trainer(lora_rank=2), "retain", tune_matmuls=tune)
+    trainer.step([1, 2])
+    products = [n for name in ("backbone_forward", "backbone_backward") for n in trainer.graphs[name].graph.nodes
+                if n.target in (torch.ops.aten.mm.default, torch.ops.aten.bmm.default)]
+    assert products
+    assert all((MATMUL_ORDER in n.meta) == tune for n in products)
+    assert tune or not any(n.meta.get(REWRITE) == "reordered" for name in ("backbone_forward", "backbone_backward")
+                           for n in trainer.graphs[name].graph.nodes)

@@ -3,7 +3,7 @@
 Called with grad, the compiled backbone runs the partition's forward graph and saves exactly the tensors its
 backward graph needs: the activations a Retain plan keeps from the rollout until the update's backward. Both graphs
 run eagerly after three passes: scatters into fresh buffers written in place, multiplications by one dropped, and
-each matrix product in the operand order the device runs faster. One compilation per input signature (shapes,
+each matrix product in the operand order the device runs faster (unless ``tune_matmuls=False``). One compilation per input signature (shapes,
 dtypes, autocast, adapter state); the forward and backward graphs of the last compilation are kept for inspection.
 """
 from __future__ import annotations
@@ -63,9 +63,10 @@ def without_checkpointing(model):
 class PartitionedBackbone:
     """``backbone(x, sigma, cond)`` through AOTAutograd's joint graph and min-cut partition."""
 
-    def __init__(self, backbone, memory_budget: float = 1.0, backward_pass=None):
+    def __init__(self, backbone, memory_budget: float = 1.0, backward_pass=None, tune_matmuls: bool = True):
         self.backbone = backbone
         self.memory_budget = memory_budget
+        self.tune_matmuls = tune_matmuls  # False: products run as traced, whatever the device times
         # ``backward_pass(gm, rows)`` may rewrite each backward graph before it runs (it knows the batch's rows).
         self.backward_pass = backward_pass
         self._compiled = {}
@@ -100,14 +101,16 @@ class PartitionedBackbone:
                 raise _Partitioned
             write_scatters_in_place(gm)
             drop_multiplications_by_one(gm)
-            order_matrix_products(gm)
+            if self.tune_matmuls:
+                order_matrix_products(gm)
             return make_boxed_func(gm)
 
         def keep_backward(gm, _):
             if self.backward_pass is not None:
                 gm = self.backward_pass(gm, rows)
             drop_multiplications_by_one(gm)
-            order_matrix_products(gm)
+            if self.tune_matmuls:
+                order_matrix_products(gm)
             self.backward_graph = gm
             return make_boxed_func(gm)
 

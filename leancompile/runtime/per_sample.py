@@ -44,7 +44,7 @@ def trainable_linear_layers(backbone: torch.nn.Module, trainable: list[torch.Ten
 class PerSampleGradients:
     """Per-sample gradients of ``trainable`` (parameters of ``backbone``) for calls run by :meth:`forward`."""
 
-    def __init__(self, backbone: torch.nn.Module, trainable: list[torch.Tensor]):
+    def __init__(self, backbone: torch.nn.Module, trainable: list[torch.Tensor], tune_matmuls: bool = True):
         self.backbone = backbone
         self.trainable = trainable
         self._layers, self.linear_covers_all = trainable_linear_layers(backbone, trainable)
@@ -53,7 +53,7 @@ class PerSampleGradients:
         self._batched_dim0 = True
         self._method: str | None = None
         self.weights_only = self.linear_covers_all and all(b is None for _, _, b in self._layers)
-        self.whole = PartitionedBackbone(backbone)
+        self.whole = PartitionedBackbone(backbone, tune_matmuls=tune_matmuls)
         self.partitioned = None
         if self.weights_only:
             order = {id(p): position for position, p in enumerate(backbone.parameters())}
@@ -63,7 +63,7 @@ class PerSampleGradients:
             self.refused: dict[int, str] = {}  # rows -> why the backward graph could not be split per row
             self.split: set[int] = set()
             self.partitioned = PartitionedBackbone(backbone, backward_pass=lambda gm, rows: self._split(
-                gm, rows, positions, token))
+                gm, rows, positions, token), tune_matmuls=tune_matmuls)
 
     def _split(self, gm, rows, positions, token):
         reason = split_weight_gradients_per_row(gm, positions, rows, token)

@@ -53,8 +53,10 @@ class RetainRuntime(Runtime):
     state_class = RetainState
 
     def __init__(self, backbone, trainable, segments: int, grad_segments: tuple[int, ...],
-                 memory_budget: float = 1.0, verify_inputs: bool = True, steps: tuple[str, ...] = ()):
+                 memory_budget: float = 1.0, verify_inputs: bool = True, steps: tuple[str, ...] = (),
+                 tune_matmuls: bool = True):
         super().__init__(trainable)
+        self.tune_matmuls = tune_matmuls
         # Off only when the passes matched the calls modulo casts: then the inputs differ by design.
         self.verify_inputs = verify_inputs
         self.segments = segments
@@ -68,7 +70,7 @@ class RetainRuntime(Runtime):
     def _partition(self, fraction: float) -> PartitionedBackbone:
         """One partition per budget: the min-cut partitioner decides what to save when it compiles."""
         if fraction not in self._partitions:
-            self._partitions[fraction] = PartitionedBackbone(self.backbone, fraction)
+            self._partitions[fraction] = PartitionedBackbone(self.backbone, fraction, tune_matmuls=self.tune_matmuls)
         return self._partitions[fraction]
 
     def end_step(self) -> dict:

@@ -96,7 +96,7 @@ class ReweightRuntime(Runtime):
     action = "reweight"
     state_class = ReweightState
 
-    def __init__(self, trainer, segments: int, accumulate, advantage_free: bool):
+    def __init__(self, trainer, segments: int, accumulate, advantage_free: bool, tune_matmuls: bool = True):
         super().__init__(trainer.trainable)
         self.config = trainer.config
         self.reward_fn = trainer.reward_fn
@@ -107,7 +107,7 @@ class ReweightRuntime(Runtime):
         self.advantage_free = advantage_free  # the loss has advantage-free terms: a second cotangent
         self._serving = None  # the update micro-step whose loss head reads the kept outputs
         self._keeping_reference = False  # the rollout's loss heads are running: keep the reference velocities
-        self.per_sample = PerSampleGradients(trainer.backbone, trainer.trainable)
+        self.per_sample = PerSampleGradients(trainer.backbone, trainer.trainable, tune_matmuls)
         self.correction = Correction(trainer.trainable)
         self._buffer_size = sum(p.numel() * p.element_size() for p in trainer.trainable)
 
