@@ -9,8 +9,8 @@ from .capture import BackboneCall, Programs, capture, capture_provisional
 from .gradients import GradientNeed, prune_gradient_need
 from .identities import drop_multiplications_by_one
 from .inplace import write_scatters_in_place
-from .matmul_order import order_matrix_products
 from .linearity import Linearity, check_linearity
+from .matmul_order import order_matrix_products
 from .moments import BufferPlan, advantage_bound, clip_never_binds, max_abs_advantage, reweight_buffers
 from .rewrite import RewrittenPrograms, rewrite_for_retain
 from .validity import Validity, check_validity

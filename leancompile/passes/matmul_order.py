@@ -24,7 +24,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 from .meta import MATMUL_ORDER, REWRITE
 
 aten = torch.ops.aten
-# a transpose of the last two dims, per product: how to write it, and the views that already are one
+# per product: the op and the extra arguments that transpose its operands' last two dims
 _TRANSPOSE = {aten.mm.default: (aten.t.default, ()), aten.bmm.default: (aten.transpose.int, (1, 2))}
 
 
