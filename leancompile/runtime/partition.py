@@ -2,9 +2,10 @@
 
 Called with grad, the compiled backbone runs the partition's forward graph and saves exactly the tensors its
 backward graph needs: the activations a Retain plan keeps from the rollout until the update's backward. Both graphs
-run eagerly after three passes: scatters into fresh buffers written in place, multiplications by one dropped, and
-each matrix product in the operand order the device runs faster (unless ``tune_matmuls=False``). One compilation per input signature (shapes,
-dtypes, autocast, adapter state); the forward and backward graphs of the last compilation are kept for inspection.
+run eagerly after multiplications by one are dropped and each matrix product is put in the operand order the device
+runs faster (unless ``tune_matmuls=False``); the forward's scatters into fresh buffers are also written in place.
+One compilation per input signature (shapes, dtypes, autocast, adapter state); the forward and backward graphs of
+the last compilation are kept for inspection.
 """
 from __future__ import annotations
 
@@ -100,22 +101,24 @@ class PartitionedBackbone:
             if not run:
                 raise _Partitioned
             write_scatters_in_place(gm)
-            drop_multiplications_by_one(gm)
-            if self.tune_matmuls:
-                order_matrix_products(gm)
+            self._simplify(gm)
             return make_boxed_func(gm)
 
         def keep_backward(gm, _):
             if self.backward_pass is not None:
                 gm = self.backward_pass(gm, rows)
-            drop_multiplications_by_one(gm)
-            if self.tune_matmuls:
-                order_matrix_products(gm)
+            self._simplify(gm)
             self.backward_graph = gm
             return make_boxed_func(gm)
 
         return aot_function(forward, fw_compiler=keep_forward, bw_compiler=keep_backward,
                             partition_fn=min_cut_rematerialization_partition)
+
+    def _simplify(self, gm: torch.fx.GraphModule) -> None:
+        """The passes both partition graphs run through before they are executed."""
+        drop_multiplications_by_one(gm)
+        if self.tune_matmuls:
+            order_matrix_products(gm)
 
     def __call__(self, x, sigma, cond: Conditioning) -> torch.Tensor:
         key = self._signature(x, sigma, cond)
