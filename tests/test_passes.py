@@ -313,6 +313,31 @@ def test_multiplications_by_one_are_dropped_where_they_return_their_input():
         assert torch.equal(got, want) and got.dtype == want.dtype and got.stride() == want.stride()
 
 
+def test_copies_of_values_nothing_else_reads_are_dropped():
+    """``clone`` (dropout at ``p = 0`` in training mode) of an intermediate only it reads goes; a copy of an input,
+    of a view, of a value read elsewhere, of an in-place result, or one that changes the layout stays."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from leancompile.passes.identities import drop_copies_of_unshared_values
+
+    def copies(x, y):
+        dropped = x.exp().clone() + x.sin().clone(memory_format=torch.contiguous_format)  # both dropped
+        shared = y.exp()
+        written = y.cos()
+        written.add_(1)
+        kept = (x.clone(), x.t().clone(), shared.clone() + shared, written.clone(),
+                x.cos().t().clone(memory_format=torch.contiguous_format))
+        return dropped, *kept
+
+    x, y = torch.randn(3, 4, dtype=torch.float64), torch.randn(3, 4, dtype=torch.float64)
+    gm = make_fx(copies)(x, y)
+    clones = lambda: sum(n.target is torch.ops.aten.clone.default for n in gm.graph.nodes)
+    before = clones()
+    assert drop_copies_of_unshared_values(gm) == 2 and clones() == before - 2
+    for got, want in zip(gm(x, y), copies(x, y)):
+        assert torch.equal(got, want) and got.stride() == want.stride()
+
+
 @pytest.mark.parametrize("tune", [True, False])
 def test_tune_matmuls_decides_whether_the_compiled_products_are_timed(tune):
     """Every product of the compiled backbone carries its timing when tuned; untuned, they run as traced."""

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from leancompile import backbones, optimize, passes
-from leancompile.passes.meta import CALL, PROVISIONAL, REWRITE
+from leancompile.passes.meta import CALL, MATMUL_ORDER, PROVISIONAL, REWRITE
 from leancompile.trainers import FlowGRPOConfig, FlowGRPOTrainer
 from leancompile.trainers.advantages import group_advantages
 
@@ -83,6 +83,10 @@ def test_per_row_split_computes_each_lora_weight_gradient_once():
     # a product the device runs faster with its operands swapped is "reordered" (passes.matmul_order)
     assert all(n.meta[REWRITE] in ("inserted", "reordered") for n in per_row + sums)
     assert all(s.args[0] is b for s, b in zip(sums, per_row))
+    # the inserted nodes carry shapes and strides, so the product-order pass timed every per-row product
+    by_name = {n.name: n for n in nodes}
+    products = [n if n.target is torch.ops.aten.bmm.default else by_name[f"swapped_{n.name}"] for n in per_row]
+    assert all(MATMUL_ORDER in p.meta and "val" in n.meta for p, n in zip(products, per_row))
     # the weight gradients the graph returns come from those sums (through transposes), not from an ``mm``
     sources = []
     for node in next(n for n in nodes if n.op == "output").args[0]:

@@ -7,7 +7,7 @@ every graph after each.
 from .backbone import SharedBackbone, detect_shared_backbone
 from .capture import BackboneCall, Programs, capture, capture_provisional
 from .gradients import GradientNeed, prune_gradient_need
-from .identities import drop_multiplications_by_one
+from .identities import drop_copies_of_unshared_values, drop_multiplications_by_one
 from .inplace import write_scatters_in_place
 from .linearity import Linearity, check_linearity
 from .matmul_order import order_matrix_products
@@ -31,6 +31,7 @@ __all__ = [
     "check_validity",
     "clip_never_binds",
     "detect_shared_backbone",
+    "drop_copies_of_unshared_values",
     "drop_multiplications_by_one",
     "max_abs_advantage",
     "order_matrix_products",

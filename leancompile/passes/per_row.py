@@ -66,32 +66,31 @@ def split_weight_gradients_per_row(gm: fx.GraphModule, outputs: dict[int, int], 
             return f"the gradient of weight {index} contracts {contraction} rows, not a multiple of {rows}"
         found[index] = (node, transposes, contraction // rows)
     aten = torch.ops.aten
+
+    def insert(after: fx.Node, target, args: tuple) -> fx.Node:
+        with graph.inserting_after(after):
+            node = graph.call_function(target, args)
+        node.meta[REWRITE] = "inserted"
+        # Later passes read shapes and strides (the product-order pass times the bmm with them).
+        node.meta["val"] = target(*(a.meta["val"] if isinstance(a, fx.Node) else a for a in args))
+        return node
+
     for index, (mm, transposes, tokens) in found.items():
         left, right = mm.args
         o, i = left.meta["val"].shape[0], right.meta["val"].shape[1]
-        with graph.inserting_after(mm):
-            d = graph.call_function(aten.reshape.default, (left, [o, rows, tokens]))
-        with graph.inserting_after(d):
-            d = graph.call_function(aten.permute.default, (d, [1, 0, 2]))
-        with graph.inserting_after(d):
-            x = graph.call_function(aten.reshape.default, (right, [rows, tokens, i]))
-        with graph.inserting_after(x):
-            grad = graph.call_function(aten.bmm.default, (d, x))
+        d = insert(mm, aten.reshape.default, (left, [o, rows, tokens]))
+        d = insert(d, aten.permute.default, (d, [1, 0, 2]))
+        x = insert(d, aten.reshape.default, (right, [rows, tokens, i]))
+        grad = insert(x, aten.bmm.default, (d, x))
         # The whole-batch product is the sum of the rows' products: one contraction instead of two.
-        with graph.inserting_after(grad):
-            total = graph.call_function(aten.sum.dim_IntList, (grad, [0]))
+        total = insert(grad, aten.sum.dim_IntList, (grad, [0]))
         mm.replace_all_uses_with(total)
         graph.erase_node(mm)
         total.name = f"sum_of_rows_{index}"
-        last = grad
-        if transposes % 2:
-            with graph.inserting_after(grad):
-                last = graph.call_function(aten.transpose.int, (grad, 1, 2))
+        last = insert(grad, aten.transpose.int, (grad, 1, 2)) if transposes % 2 else grad
         with graph.inserting_after(last):
             graph.call_function(deliver_per_row_gradient, (token, index, last))
         grad.name = f"per_row_grad_{index}"
-        for node in (d, x, grad, total, last):
-            node.meta[REWRITE] = "inserted"
     graph.lint()
     gm.recompile()
     return None

@@ -2,10 +2,10 @@
 
 Called with grad, the compiled backbone runs the partition's forward graph and saves exactly the tensors its
 backward graph needs: the activations a Retain plan keeps from the rollout until the update's backward. Both graphs
-run eagerly after multiplications by one are dropped and each matrix product is put in the operand order the device
-runs faster (unless ``tune_matmuls=False``); the forward's scatters into fresh buffers are also written in place.
-One compilation per input signature (shapes, dtypes, autocast, adapter state); the forward and backward graphs of
-the last compilation are kept for inspection.
+run eagerly after multiplications by one and copies nothing else reads are dropped and each matrix product is put
+in the operand order the device runs faster (unless ``tune_matmuls=False``); the forward's scatters into fresh
+buffers are also written in place. One compilation per input signature (shapes, dtypes, autocast, adapter state);
+the forward and backward graphs of the last compilation are kept for inspection.
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from ..backbones import Conditioning
-from ..passes.identities import drop_multiplications_by_one
+from ..passes.identities import drop_copies_of_unshared_values, drop_multiplications_by_one
 from ..passes.inplace import write_scatters_in_place
 from ..passes.matmul_order import order_matrix_products
 
@@ -117,6 +117,7 @@ class PartitionedBackbone:
     def _simplify(self, gm: torch.fx.GraphModule) -> None:
         """The passes both partition graphs run through before they are executed."""
         drop_multiplications_by_one(gm)
+        drop_copies_of_unshared_values(gm)
         if self.tune_matmuls:
             order_matrix_products(gm)
 
