@@ -58,10 +58,12 @@ class ReweightState(StepState):
     mode_reason: str = ""
     prompts: list = field(default_factory=list)
     window: set = field(default_factory=set)  # samples whose trained steps the rollout backpropagates
+    slots: dict = field(default_factory=dict)  # window sample -> its row of the per-sample buffers
+    rows: dict = field(default_factory=dict)  # "policy" | "free" -> per parameter, (window samples, *shape) buffers
     call: ProvisionalCall | None = None
     kept: dict = field(default_factory=dict)  # (sample, step) -> (backbone inputs, outputs) of the sample's rows
     reference: dict = field(default_factory=dict)  # (sample, step) -> (input latent, KL reference's velocity)
-    policy: dict = field(default_factory=dict)  # sample -> [dP_i per parameter]
+    policy: dict = field(default_factory=dict)  # sample -> [dP_i per parameter] (per-sample mode: views of rows)
     free: dict = field(default_factory=dict)  # sample -> [dF_i per parameter]
     groups: dict = field(default_factory=dict)  # group -> GroupMoments
     early_rewards: dict = field(default_factory=dict)  # sample -> reward scored as soon as it finished
@@ -129,6 +131,7 @@ class ReweightRuntime(Runtime):
         shuffle = torch.Generator().set_state(self.generator.get_state())
         s.window = set(torch.randperm(n, generator=shuffle)[:cfg.gradient_accumulation_steps * cfg.train_batch_size]
                        .tolist())
+        s.slots = {sample: row for row, sample in enumerate(sorted(s.window))}
         accumulate, reason, _ = self.accumulate(n)
         s.mode, s.mode_reason = ("accumulators" if accumulate else "per-sample"), reason
 
@@ -245,16 +248,28 @@ class ReweightRuntime(Runtime):
         free = self.per_sample.gradients(call.output, cot_free.to(call.output.dtype), b) if has_free else None
         for p in positions:
             sample = int(call.rows[p])
-            self._add(s.policy, sample, [g[p] for g in policy])
+            self._add("policy", sample, [g[p] for g in policy])
             if free is not None:
-                self._add(s.free, sample, [g[p] for g in free])
+                self._add("free", sample, [g[p] for g in free])
 
-    def _add(self, store: dict, key, grads: list[torch.Tensor]) -> None:
-        if key in store:
-            for buf, g in zip(store[key], grads):
+    def _add(self, kind: str, sample: int, grads: list[torch.Tensor]) -> None:
+        s = self.state
+        store = getattr(s, kind)
+        if sample in store:
+            for buf, g in zip(store[sample], grads):
                 buf += g
+        elif s.mode == "per-sample":
+            # One buffer per parameter with a row per window sample: the correction contracts it as it is,
+            # instead of stacking every sample's buffers into a second copy.
+            if kind not in s.rows:
+                s.rows[kind] = [torch.zeros(len(s.slots), *p.shape, dtype=p.dtype, device=p.device)
+                                for p in self.trainable]
+                self._count(+len(s.slots))
+            store[sample] = [rows[s.slots[sample]] for rows in s.rows[kind]]
+            for buf, g in zip(store[sample], grads):
+                buf.copy_(g)
         else:
-            store[key] = [g.clone() for g in grads]
+            store[sample] = [g.clone() for g in grads]
             self._count(+1)
 
     def _count(self, delta: int) -> None:
@@ -303,7 +318,7 @@ class ReweightRuntime(Runtime):
         else:
             s.usable, s.unusable_reason = True, ""
         if not s.usable:  # the buffers cannot give the native gradient: free them, the update recomputes
-            s.policy.clear(), s.free.clear(), s.groups.clear()
+            s.policy.clear(), s.free.clear(), s.rows.clear(), s.groups.clear()
 
     def _accumulator_refusal(self, rewards, advantages) -> str | None:
         cfg, s = self.config, self.state
@@ -354,7 +369,7 @@ class ReweightRuntime(Runtime):
             # Accumulated by autograd, like any backward's: a data-parallel engine's hooks see (and sync) them.
             with syncing:
                 torch.autograd.backward(self.trainable, grads)
-        s.policy.clear(), s.free.clear(), s.groups.clear(), s.weights.clear()
+        s.policy.clear(), s.free.clear(), s.rows.clear(), s.groups.clear(), s.weights.clear()
         s.buffer_bytes = 0
         super().before_optimizer_step(syncing)
         return corrected
@@ -378,12 +393,12 @@ class ReweightRuntime(Runtime):
         weights = self._sample_weights()
         adv = s.advantages.detach().cpu().double()
         if s.mode == "per-sample":
-            samples = sorted(weights)
-            w = torch.tensor([weights[i] for i in samples], dtype=torch.float64)
-            policy = [torch.stack([s.policy[i][j] for i in samples]) for j in range(len(self.trainable))]
-            free = ([torch.stack([s.free[i][j] for i in samples]) for j in range(len(self.trainable))]
-                    if s.free else None)
-            return self.correction.per_sample(w * adv[samples], w, policy, free)
+            # Per row of the buffers; a window sample no micro-step reweighted weighs 0.
+            w = torch.zeros(len(s.slots), dtype=torch.float64)
+            advantage = torch.zeros(len(s.slots), dtype=torch.float64)
+            for sample, weight in weights.items():
+                w[s.slots[sample]], advantage[s.slots[sample]] = weight, adv[sample]
+            return self.correction.per_sample(w * advantage, w, s.rows["policy"], s.rows.get("free"))
         c = set(weights.values())
         kept = set((adv != 0).nonzero().flatten().tolist()) if cfg.drop_zero_advantages else set(range(len(adv)))
         if len(c) != 1 or set(weights) != kept:
