@@ -13,6 +13,7 @@ from leancompile.cli import main as cli
 from leancompile.cost import DEVICES, get_device, live_device, plan, profile_call, trainer_scenario
 from leancompile.cost.measure import LiveSavedTensors, static_bytes
 from leancompile.cost.profile import _fake_copy, _fake_inputs, _measure_call
+from leancompile.runtime.partition import PartitionedBackbone
 from leancompile.trainers import DanceGRPOConfig, FlowGRPOConfig
 
 from conftest import PromptTable, mean_reward
@@ -89,7 +90,7 @@ def _interleaved_seconds(programs, repetitions=5):
 
 
 @pytest.mark.timing
-def test_predicted_speedup_is_within_fifteen_percent_of_measured():
+def test_predicted_speedup_is_within_fifteen_percent_of_measured(monkeypatch):
     config = FlowGRPOConfig(num_steps=6, timestep_fraction=0.99, group_size=2, train_batch_size=2,
                             gradient_accumulation_steps=2)
     # The benchmark's Flux size: at smaller widths the per-operator cost of autograd dominates and the model, which
@@ -97,10 +98,11 @@ def test_predicted_speedup_is_within_fifteen_percent_of_measured():
     sizes = dict(attention_head_dim=64, num_attention_heads=4, joint_attention_dim=64, axes_dims_rope=(8, 28, 28),
                  num_layers=1, num_single_layers=1, height=16, width=16, text_len=16)
     cost = _cost(_trainer(config, **sizes))
-    # The roofline prices a product the same in every program: it does not see what tuning the compiled products'
-    # operand order gains over eager's (passes.matmul_order), so both run their products as traced here.
-    seconds = _interleaved_seconds({s: optimize(_trainer(config, **sizes), s, tune_matmuls=False)
-                                    for s in ("native", "retain")})
+    # The roofline prices the eager operators in every program: it does not see what the rewrites of the compiled
+    # graphs gain (the products' operand order, dropped multiplications by one and copies), so the partition's
+    # graphs run as traced here.
+    monkeypatch.setattr(PartitionedBackbone, "_simplify", lambda self, gm: None)
+    seconds = _interleaved_seconds({s: optimize(_trainer(config, **sizes), s) for s in ("native", "retain")})
     measured = seconds["native"] / seconds["retain"]
     assert abs(cost.speedup("retain") - measured) <= 0.15 * measured, (cost.speedup("retain"), measured)
 
