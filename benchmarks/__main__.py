@@ -18,6 +18,7 @@ SCHEDULES = ("retain", "reweight", "auto")
 
 QUICK_REPETITIONS = 5
 FULL_REPETITIONS = 7
+MIN_NATIVE_SECONDS = 6.0  # short steps get more rounds, up to about this much native time per row group
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -25,7 +26,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--full", action="store_true", help="larger latents and more repetitions")
     parser.add_argument("--out", type=Path, default=Path("bench-out"), help="output folder (default: bench-out)")
     parser.add_argument("--repetitions", type=int, default=None,
-                        help=f"timed steps per program (default {QUICK_REPETITIONS}, {FULL_REPETITIONS} with --full)")
+                        help=f"timed steps per program at least (default {QUICK_REPETITIONS}, {FULL_REPETITIONS} with "
+                             "--full)")
+    parser.add_argument("--min-seconds", type=float, default=MIN_NATIVE_SECONDS,
+                        help="more rounds where native's steps are short, until they add up to about this many "
+                             f"seconds (default {MIN_NATIVE_SECONDS:g}; 0: exactly --repetitions)")
     parser.add_argument("--backbones", nargs="+", choices=FAMILIES, default=list(FAMILIES))
     parser.add_argument("--trainers", nargs="+", choices=TRAINERS, default=list(TRAINERS))
     parser.add_argument("--schedules", nargs="+", choices=SCHEDULES, default=list(SCHEDULES))
@@ -43,6 +48,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error("--device cuda: no CUDA device is available here")
     if args.repetitions is not None and args.repetitions < 1:
         parser.error(f"--repetitions must be >= 1; got {args.repetitions}")
+    if not args.min_seconds >= 0:
+        parser.error(f"--min-seconds must be >= 0; got {args.min_seconds}")
     return args
 
 
@@ -61,7 +68,7 @@ def main(argv=None) -> int:
     for case in cases(full=args.full, families=args.backbones, trainers=args.trainers, tunings=tunings,
                       device=args.device, precision=args.precision):
         case_start = time.perf_counter()
-        case_rows = measure_case(case, repetitions, tuple(args.schedules))
+        case_rows = measure_case(case, repetitions, tuple(args.schedules), args.min_seconds)
         rows += case_rows
         for row in case_rows:
             print(progress(row, time.perf_counter() - case_start), file=sys.stderr, flush=True)

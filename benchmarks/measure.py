@@ -150,11 +150,12 @@ def same_program(auto, schedule: str) -> bool:
     return auto.plan.schedule == schedule and all(a.action in (schedule, "no-grad") for a in auto.plan.steps)
 
 
-def measure_case(case: Case, repetitions: int, schedules: tuple[str, ...] = ("retain", "reweight", "auto")
-                 ) -> list[dict]:
+def measure_case(case: Case, repetitions: int, schedules: tuple[str, ...] = ("retain", "reweight", "auto"),
+                 min_seconds: float = 0.0) -> list[dict]:
     """One row per schedule. Every program runs the same sequence of steps (warm-up, timed, FLOP-counted), so
     their weights must agree with the native program's at the end. The planner's predictions come from an auto
-    compilation of the same trainer (on this CPU, for this step's samples)."""
+    compilation of the same trainer (on this CPU, for this step's samples). At least ``repetitions`` rounds are
+    timed, more where native's steps are short, until they add up to about ``min_seconds`` of native time."""
     programs = build_programs(case, schedules)
     cost = (programs["auto"] if "auto" in programs else leancompile.optimize(build_trainer(case))).plan.cost
     # Where auto compiled to exactly a single schedule's program, timing it again would only measure noise: its
@@ -164,8 +165,9 @@ def measure_case(case: Case, repetitions: int, schedules: tuple[str, ...] = ("re
         timed_as["auto"] = next((s for s in schedules if s != "auto" and same_program(programs["auto"], s)), "auto")
     timed = {name: programs[name] for name in ("native", *schedules) if timed_as.get(name, name) == name}
     prompts = list(case.prompts)
-    for trainer in timed.values():
-        timed_step(trainer, prompts)  # compiles the partitioned backbone, traces the correction
+    warm_up = {name: timed_step(trainer, prompts)[0] for name, trainer in timed.items()}  # compiles, traces
+    # A short step's ratio spreads more between rounds; a time budget evens the rows' precision.
+    repetitions = max(repetitions, math.ceil(min_seconds / warm_up["native"].wall))
     times, stats = interleaved_times(timed, prompts, repetitions)
     flops = {name: step_flops(trainer, prompts) for name, trainer in timed.items()}
     native = programs["native"]

@@ -77,3 +77,12 @@ def test_the_gpu_script_says_why_it_skips_without_cuda():
     done = subprocess.run(["bash", str(root / "benchmarks" / "gpu.sh")], capture_output=True, text=True,
                           env={"PY": sys.executable, "PATH": "/usr/bin:/bin"})
     assert done.returncode == 0 and "no CUDA device here" in done.stderr and "skipping" in done.stderr
+
+
+@pytest.mark.parametrize("argv", [["--repetitions", "0"], ["--min-seconds", "-1"], ["--min-seconds", "nan"]])
+def test_bad_timing_budgets_are_refused_with_the_option_named(argv, capsys):
+    from benchmarks.__main__ import parse_args
+
+    with pytest.raises(SystemExit):
+        parse_args(argv)
+    assert argv[0] in capsys.readouterr().err
