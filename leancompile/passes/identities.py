@@ -2,9 +2,9 @@
 
 Multiplications by one. peft scales every LoRA output by ``lora_alpha / r``, which is 1 at the usual
 ``lora_alpha = r``; the traced forward multiplies each LoRA layer's output by 1.0 and the backward its cotangent,
-a pass over a whole activation each. ``x * 1.0`` is ``x`` exactly in IEEE arithmetic, so where the product has ``x``'s dtype, shape and strides
-(no promotion, broadcast or change of layout) and is not itself a graph output (which would then alias ``x``),
-its users read ``x``::
+a pass over a whole activation each. ``x * 1.0`` is ``x`` exactly in IEEE arithmetic, so where the product has
+``x``'s dtype, shape and strides (no promotion, broadcast or change of layout) and is not itself a graph output
+(which would then alias ``x``), its users read ``x``::
 
     %mul = aten.mul.Tensor(%view_3, 1.0); %add = aten.add.Tensor(%addmm, %mul)
     ->  %add = aten.add.Tensor(%addmm, %view_3)
