@@ -1,4 +1,6 @@
 import os
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -6,6 +8,10 @@ from hypothesis import settings
 
 from leancompile import backbones
 from leancompile.tasks.synthetic import RandomPrompts, latent_reward
+
+# benchmarks/ is a top-level folder, not part of the installed package; bare ``pytest`` does not put the
+# repository root on sys.path the way ``python -m pytest`` does.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 # Tiny models gain nothing from intra-op threads, and lose much when the cores are shared.
 torch.set_num_threads(1)

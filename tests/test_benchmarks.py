@@ -8,13 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
-# benchmarks/ is a top-level folder, not part of the installed package; bare ``pytest`` does not put the
-# repository root on sys.path the way ``python -m pytest`` does.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks import cases, measure_case  # noqa: E402
-from benchmarks.measure import max_rel_weight_diff  # noqa: E402
-from benchmarks.report import machine_line, write_results  # noqa: E402
+from benchmarks import cases, measure_case
+from benchmarks.measure import max_rel_weight_diff
+from benchmarks.report import machine_line, write_results
 
 FIELDS = {"backbone": str, "trainer": str, "tuning": str, "schedule": str, "runs": str, "plan": str,
           "predicted_speedup": float, "speedup": float, "ideal_speedup": float,

@@ -1,11 +1,6 @@
 """A short training run of the digits task: native and auto follow the same trajectory (the benchmark runs the
 same comparison over 20 steps)."""
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/ is a top-level folder
-
-from benchmarks.equivalence import train_side_by_side  # noqa: E402
+from benchmarks.equivalence import train_side_by_side
 
 
 def test_native_and_auto_train_the_digits_model_identically():
