@@ -77,7 +77,8 @@ def test_predicted_retained_and_buffer_bytes_are_within_ten_percent_of_measured(
 
 
 def _interleaved_times(programs, repetitions):
-    """Each program's step times (CPU: one thread, so the wall time without other load), round-robin."""
+    """Each program's step timings (wall and CPU), round-robin after a warm-up step each; the checks read CPU
+    time: on one thread it is the wall time without other load."""
     for trainer in programs.values():
         trainer.step(PROMPTS)  # compiles partitions, warms caches
     return interleaved_times(programs, PROMPTS, repetitions)[0]
