@@ -17,8 +17,9 @@ $(VENV)/.installed: pyproject.toml
 demo: $(VENV)/.installed
 	$(PY) -m leancompile demo
 
+# One worker process per core, each test file whole in one worker (its module fixtures built once).
 test: $(VENV)/.installed
-	$(PY) -m pytest
+	$(PY) -m pytest -n auto --dist loadfile
 
 # glibc hands large freed blocks back to the OS and page-faults them in again on the next allocation; a GPU's
 # caching allocator keeps them. These thresholds keep freed memory in the process, for both programs alike.
@@ -26,7 +27,7 @@ BENCH_MALLOC := MALLOC_MMAP_THRESHOLD_=4294967296 MALLOC_TRIM_THRESHOLD_=6871947
 
 bench: $(VENV)/.installed
 	$(BENCH_MALLOC) $(PY) -m benchmarks $(if $(FULL),--full,)
-	$(BENCH_MALLOC) $(PY) -m pytest -m timing tests/test_cost.py
+	$(BENCH_MALLOC) $(PY) -m pytest -n 0 -m timing tests/test_cost.py
 
 bench-distributed: $(VENV)/.installed
 	$(BENCH_MALLOC) $(PY) -m benchmarks.distributed

@@ -11,6 +11,7 @@ import torch
 
 from .cases import FAMILIES, TRAINERS, TUNINGS, cases
 from .equivalence import train_side_by_side
+from .jobs import run_tasks, single_threaded
 from .measure import measure_case
 from .report import equivalence_markdown, machine_line, markdown_table, write_results
 
@@ -41,6 +42,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="GRPO steps of the native-vs-auto training run on digits, float64 and bf16 (0: skip)")
     parser.add_argument("--tunings", nargs="+", choices=TUNINGS, default=None,
                         help="lora and/or full (default: lora; both with --full)")
+    parser.add_argument("--jobs", type=int, default=1,
+                        help="cases measured at once, each in its own single-threaded process (default 1: the "
+                             "other cases' steps slow a measured program unevenly, so more jobs finish sooner with "
+                             "noisier ratios)")
     args = parser.parse_args(argv)
     if args.device not in ("cpu", "cuda"):
         parser.error(f"--device must be cpu or cuda; got {args.device!r}")
@@ -50,6 +55,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error(f"--repetitions must be >= 1; got {args.repetitions}")
     if not args.min_seconds >= 0:
         parser.error(f"--min-seconds must be >= 0; got {args.min_seconds}")
+    if args.jobs < 1:
+        parser.error(f"--jobs must be >= 1; got {args.jobs}")
+    if args.jobs > 1 and args.device == "cuda":
+        parser.error("--jobs: cases on one GPU would share it and time each other; use --jobs 1 with --device cuda")
     return args
 
 
@@ -60,21 +69,23 @@ def progress(row: dict, seconds: float) -> str:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    # The tiny backbones gain nothing from intra-op threads, and one thread keeps the timings comparable.
-    torch.set_num_threads(1)
+    single_threaded()
     repetitions = args.repetitions or (FULL_REPETITIONS if args.full else QUICK_REPETITIONS)
-    start, rows = time.perf_counter(), []
+    start = time.perf_counter()
     tunings = args.tunings or (list(TUNINGS) if args.full else ["lora"])
-    for case in cases(full=args.full, families=args.backbones, trainers=args.trainers, tunings=tunings,
-                      device=args.device, precision=args.precision):
-        case_start = time.perf_counter()
-        case_rows = measure_case(case, repetitions, tuple(args.schedules), args.min_seconds)
-        rows += case_rows
-        for row in case_rows:
-            print(progress(row, time.perf_counter() - case_start), file=sys.stderr, flush=True)
-    equivalence = [train_side_by_side(args.equivalence_steps, precision) for precision in ("float64", "bf16")
-                   if args.equivalence_steps > 0]
-    machine = machine_line()
+    measured = cases(full=args.full, families=args.backbones, trainers=args.trainers, tunings=tunings,
+                     device=args.device, precision=args.precision)
+    tasks = [(measure_case, case, repetitions, tuple(args.schedules), args.min_seconds) for case in measured]
+    if args.equivalence_steps > 0:
+        tasks += [(train_side_by_side, args.equivalence_steps, precision) for precision in ("float64", "bf16")]
+    results = [None] * len(tasks)
+    for i, result, seconds in run_tasks(tasks, args.jobs):
+        results[i] = result
+        for row in result if i < len(measured) else ():
+            print(progress(row, seconds), file=sys.stderr, flush=True)
+    rows = [row for case_rows in results[:len(measured)] for row in case_rows]
+    equivalence = results[len(measured):]
+    machine = machine_line(args.jobs)
     json_path, md_path = write_results(rows, args.out, machine, equivalence)
     print(markdown_table(rows))
     if equivalence:

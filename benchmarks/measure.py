@@ -8,11 +8,11 @@ import time
 from dataclasses import dataclass
 
 import torch
-from torch.utils.flop_counter import FlopCounterMode
 
 import leancompile
 from leancompile import backbones
 from leancompile.cost.planner import describe_steps
+from leancompile.cost.workload import FlopCounter
 from leancompile.tasks.synthetic import RandomPrompts
 from leancompile.trainers import DanceGRPOTrainer, FlowGRPOTrainer
 
@@ -80,33 +80,12 @@ def median(timings: list[Timing], kind: str) -> float:
     return statistics.median(getattr(t, kind) for t in timings)
 
 
-class _GlobalOnly:
-    """Stands in for FlopCounterMode's module tracker: every FLOP is billed to "Global" only."""
-
-    parents = {"Global"}
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *args):
-        return None
-
-
-class TotalFlopCounter(FlopCounterMode):
-    """FlopCounterMode without the per-module breakdown. Its module tracker hooks every module call and fails on
-    the compiled backbone, a GraphModule run inside an autograd.Function with grad off (outputs that require grad
-    but have no grad_fn); the total needs no attribution."""
-
-    def __init__(self):
-        super().__init__(display=False)
-        self.mod_tracker = _GlobalOnly()
-
-
 def step_flops(trainer, prompts) -> int:
-    """FLOPs of one GRPO step (matmuls, attention and convolutions, forward and backward)."""
-    with TotalFlopCounter() as counter:
+    """FLOPs of one GRPO step (matmuls, attention and convolutions, forward and backward): torch's FLOP formulas,
+    the CPU's attention kernels included, counted per operator as the step runs."""
+    with FlopCounter() as counter:
         trainer.step(prompts)
-    return counter.get_total_flops()
+    return counter.total
 
 
 def max_rel_weight_diff(a, b) -> float:

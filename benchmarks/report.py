@@ -37,9 +37,10 @@ PAPER = {("sd3", "flowgrpo"): "up to 1.83x (SD3.5-M)", ("flux", "dancegrpo"): "1
          ("wan", "dancegrpo"): "1.22-1.49x (Wan 1.3B-14B)"}
 
 
-def machine_line() -> str:
-    return (f"machine: {os.cpu_count()} CPUs, {torch.get_num_threads()} torch thread(s), torch {torch.__version__}, "
-            f"python {platform.python_version()}, {platform.platform()}")
+def machine_line(jobs: int = 1) -> str:
+    at_once = f", {jobs} cases measured at once (one process each)" if jobs > 1 else ""
+    return (f"machine: {os.cpu_count()} CPUs, {torch.get_num_threads()} torch thread(s){at_once}, "
+            f"torch {torch.__version__}, python {platform.python_version()}, {platform.platform()}")
 
 
 def _cell(row: dict, key: str, fmt: str) -> str:

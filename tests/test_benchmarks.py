@@ -75,10 +75,19 @@ def test_the_gpu_script_says_why_it_skips_without_cuda():
     assert done.returncode == 0 and "no CUDA device here" in done.stderr and "skipping" in done.stderr
 
 
-@pytest.mark.parametrize("argv", [["--repetitions", "0"], ["--min-seconds", "-1"], ["--min-seconds", "nan"]])
+@pytest.mark.parametrize("argv", [["--repetitions", "0"], ["--min-seconds", "-1"], ["--min-seconds", "nan"],
+                                  ["--jobs", "0"]])
 def test_bad_timing_budgets_are_refused_with_the_option_named(argv, capsys):
     from benchmarks.__main__ import parse_args
 
     with pytest.raises(SystemExit):
         parse_args(argv)
     assert argv[0] in capsys.readouterr().err
+
+
+def test_cases_measured_at_once_come_back_in_the_order_asked():
+    from benchmarks.jobs import run_tasks
+
+    tasks = [(sorted, [3, 1, 2]), (pow, 2, 10), (max, 4, 9), (abs, -5)]
+    done = {jobs: sorted((i, result) for i, result, seconds in run_tasks(tasks, jobs)) for jobs in (1, 2)}
+    assert done[1] == done[2] == [(0, [1, 2, 3]), (1, 1024), (2, 9), (3, 5)]

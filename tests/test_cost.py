@@ -12,6 +12,7 @@ from leancompile.cli import main as cli
 from leancompile.cost import DEVICES, get_device, live_device, plan, profile_call, trainer_scenario
 from leancompile.cost.measure import LiveSavedTensors, static_bytes
 from leancompile.cost.profile import _fake_copy, _fake_inputs, _measure_call
+from leancompile.cost.workload import FlopCounter
 from leancompile.runtime.partition import PartitionedBackbone
 from leancompile.trainers import DanceGRPOConfig, FlowGRPOConfig
 
@@ -168,3 +169,15 @@ def test_leancompile_plan_prints_a_table_and_json(capsys):
     assert auto["speedup"] >= max(e["speedup"] for e in out["schedules"].values() if e["fits"]) - 1e-9
     assert cli(["plan", "--model", "wan2.1-1.3b", "--gpu", "h1000"]) == 2
     assert "unknown device 'h1000'" in capsys.readouterr().err
+
+
+def test_flops_are_counted_for_products_and_for_the_cpus_attention_kernels():
+    a, b = torch.randn(8, 16, requires_grad=True), torch.randn(16, 4)
+    with FlopCounter() as counter:
+        (a @ b).sum().backward()
+    assert counter.total == 2 * (2 * 8 * 16 * 4)  # the product, and its gradient for a
+    q = torch.randn(1, 2, 5, 8, requires_grad=True)
+    with FlopCounter() as counter:
+        torch.nn.functional.scaled_dot_product_attention(q, q, q).sum().backward()
+    forward = 2 * (2 * 1 * 2 * 5 * 5 * 8)  # q @ k^T and the weights @ v
+    assert counter.total == forward + int(2.5 * forward)  # the backward runs five such products

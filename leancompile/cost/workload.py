@@ -58,6 +58,12 @@ class Workload:
         return Workload(Counter({op: n * times for op, n in self.ops.items()}))
 
 
+def operator_flops(func, args, kwargs, out) -> int:
+    """FLOPs of one operator call by torch's formulas (0 for the operators they do not count: elementwise, views)."""
+    count = _FLOPS.get(func._overloadpacket)
+    return int(count(*args, **kwargs, out_val=out)) if count is not None else 0
+
+
 def _nbytes(values) -> int:
     return sum(v.numel() * v.element_size() for v in tree_flatten(values)[0] if isinstance(v, torch.Tensor))
 
@@ -74,10 +80,22 @@ class WorkloadCounter(TorchDispatchMode):
         out = func(*args, **kwargs)
         if func.is_view or func in (aten.detach.default, aten.lift_fresh.default):
             return out
-        count = _FLOPS.get(func._overloadpacket)
-        flops = int(count(*args, **kwargs, out_val=out)) if count is not None else 0
-        self.ops[(flops, _nbytes((args, kwargs)) + _nbytes(out))] += 1
+        self.ops[(operator_flops(func, args, kwargs, out), _nbytes((args, kwargs)) + _nbytes(out))] += 1
         return out
 
     def workload(self) -> Workload:
         return Workload(Counter(self.ops))
+
+
+class FlopCounter(TorchDispatchMode):
+    """The FLOPs of the operators run inside it, on real or fake tensors."""
+
+    def __init__(self):
+        super().__init__()
+        self.total = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        self.total += operator_flops(func, args, kwargs, out)
+        return out
