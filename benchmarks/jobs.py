@@ -1,4 +1,5 @@
-"""Run the benchmark's tasks (a case, an equivalence run) in worker processes, one per core."""
+"""Run the benchmark's tasks (a case, an equivalence run) one after another, or several at once in worker
+processes."""
 from __future__ import annotations
 
 import multiprocessing
@@ -23,8 +24,8 @@ def _timed(fn, *args):
 
 def run_tasks(tasks: list[tuple], jobs: int):
     """Yield ``(index, result, seconds)`` for each ``(fn, *args)`` task as it finishes. With several jobs each task
-    runs whole in one worker process: a case's programs still alternate round by round within that process, so a
-    ratio compares steps that shared the machine alike."""
+    runs whole in one worker process, where a case's programs still alternate round by round; the other workers'
+    steps slow them unevenly all the same, so the ratios are noisier than with one job."""
     if jobs == 1:
         for i, (fn, *args) in enumerate(tasks):
             yield i, *_timed(fn, *args)
