@@ -19,10 +19,9 @@ def config(precision: str) -> FlowGRPOConfig:
                           gradient_accumulation_steps=2, lora_rank=4, learning_rate=3e-3, seed=0, **numerics)
 
 
-def _trainer(precision: str, schedule: str):
+def _trainer(precision: str):
     model = digits.load_pretrained()
-    trainer = FlowGRPOTrainer(config(precision), model.backbone, DigitsClassifierReward(target=3), model.encode)
-    return optimize(trainer, schedule=schedule)
+    return FlowGRPOTrainer(config(precision), model.backbone, DigitsClassifierReward(target=3), model.encode)
 
 
 def _weights(trainer) -> torch.Tensor:
@@ -31,7 +30,7 @@ def _weights(trainer) -> torch.Tensor:
 
 def train_side_by_side(steps: int, precision: str = "float64") -> dict:
     """Train native and auto for ``steps`` GRPO steps; the weights' error is relative to native's total update."""
-    native, auto = _trainer(precision, "native"), _trainer(precision, "auto")
+    native, auto = _trainer(precision), optimize(_trainer(precision))
     start = _weights(native)
     rewards = {"native": [], "auto": []}
     reused = 0

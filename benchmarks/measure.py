@@ -34,8 +34,8 @@ def build_trainer(case: Case):
 
 
 def build_programs(case: Case, schedules: tuple[str, ...]) -> dict:
-    """The untransformed program and each optimized schedule, each owning its own copy of the same model."""
-    programs = {"native": leancompile.optimize(build_trainer(case), schedule="native")}
+    """The native trainer as it is and each optimized schedule, each owning its own copy of the same model."""
+    programs = {"native": build_trainer(case)}
     for schedule in schedules:
         programs[schedule] = leancompile.optimize(build_trainer(case), schedule=schedule)
         if schedule != "auto" and programs[schedule].plan.schedule != schedule:
@@ -80,12 +80,13 @@ def median(timings: list[Timing], kind: str) -> float:
     return statistics.median(getattr(t, kind) for t in timings)
 
 
-def step_flops(trainer, prompts) -> int:
-    """FLOPs of one GRPO step (matmuls, attention and convolutions, forward and backward): torch's FLOP formulas,
-    the CPU's attention kernels included, counted per operator as the step runs."""
+def counted_step(trainer, prompts) -> tuple[Timing, int]:
+    """A step and its FLOPs (matmuls, attention and convolutions, forward and backward): torch's FLOP formulas, the
+    CPU's attention kernels included, counted per operator as the step runs. The counter slows the step, so this
+    is the warm-up: the compiler's tracing in a program's first step is not counted, so every step counts alike."""
     with FlopCounter() as counter:
-        trainer.step(prompts)
-    return counter.total
+        timing, _ = timed_step(trainer, prompts)
+    return timing, counter.total
 
 
 def max_rel_weight_diff(a, b) -> float:
@@ -131,8 +132,8 @@ def same_program(auto, schedule: str) -> bool:
 
 def measure_case(case: Case, repetitions: int, schedules: tuple[str, ...] = ("retain", "reweight", "auto"),
                  min_seconds: float = 0.0) -> list[dict]:
-    """One row per schedule. Every program runs the same sequence of steps (warm-up, timed, FLOP-counted), so
-    their weights must agree with the native program's at the end. The planner's predictions come from an auto
+    """One row per schedule. Every program runs the same sequence of steps (a FLOP-counted warm-up, then the timed
+    rounds), so their weights must agree with the native program's at the end. The planner's predictions come from an auto
     compilation of the same trainer (on this CPU, for this step's samples). At least ``repetitions`` rounds are
     timed, more where native's steps are short, until they add up to about ``min_seconds`` of native time."""
     programs = build_programs(case, schedules)
@@ -144,11 +145,11 @@ def measure_case(case: Case, repetitions: int, schedules: tuple[str, ...] = ("re
         timed_as["auto"] = next((s for s in schedules if s != "auto" and same_program(programs["auto"], s)), "auto")
     timed = {name: programs[name] for name in ("native", *schedules) if timed_as.get(name, name) == name}
     prompts = list(case.prompts)
-    warm_up = {name: timed_step(trainer, prompts)[0] for name, trainer in timed.items()}  # compiles, traces
+    warm_up = {name: counted_step(trainer, prompts) for name, trainer in timed.items()}  # compiles, traces
+    flops = {name: count for name, (_, count) in warm_up.items()}
     # A short step's ratio spreads more between rounds; a time budget evens the rows' precision.
-    repetitions = max(repetitions, math.ceil(min_seconds / warm_up["native"].wall))
+    repetitions = max(repetitions, math.ceil(min_seconds / warm_up["native"][0].wall))
     times, stats = interleaved_times(timed, prompts, repetitions)
-    flops = {name: step_flops(trainer, prompts) for name, trainer in timed.items()}
     native = programs["native"]
     rows = []
     for schedule in schedules:

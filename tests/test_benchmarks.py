@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from benchmarks import cases, measure_case
-from benchmarks.measure import max_rel_weight_diff
+from benchmarks.measure import build_programs, counted_step, max_rel_weight_diff
 from benchmarks.report import machine_line, write_results
 
 FIELDS = {"backbone": str, "trainer": str, "tuning": str, "schedule": str, "runs": str, "plan": str,
@@ -48,6 +48,15 @@ def test_rows_have_the_promised_fields(rows):
 
 def test_every_schedule_trains_the_same_weights_as_native(rows):
     assert all(row["max_rel_weight_diff"] < 1e-4 for row in rows)
+
+
+def test_a_compiling_step_counts_the_flops_every_later_step_computes():
+    case = cases(families=["flux"], trainers=["fast"], tunings=["lora"], smallest=True)[0]
+    programs = build_programs(case, ("retain",))
+    native, retain = (counted_step(programs[name], list(case.prompts))[1] for name in ("native", "retain"))
+    # Retain's first step traces its partition on functional fake tensors; that tracing computes nothing.
+    assert counted_step(programs["retain"], list(case.prompts))[1] == retain < native
+    assert counted_step(programs["native"], list(case.prompts))[1] == native
 
 
 def test_results_are_written_as_json_and_markdown(row, tmp_path):

@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
+from torch._subclasses.functional_tensor import FunctionalTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry
@@ -88,7 +90,9 @@ class WorkloadCounter(TorchDispatchMode):
 
 
 class FlopCounter(TorchDispatchMode):
-    """The FLOPs of the operators run inside it, on real or fake tensors."""
+    """The FLOPs of the operators computed inside it. A compiler tracing inside it (AOTAutograd on a program's first
+    call) runs operators on functional, fake or meta tensors: those compute nothing and are not counted, so a
+    compiling step counts what every later step computes."""
 
     def __init__(self):
         super().__init__()
@@ -97,5 +101,10 @@ class FlopCounter(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        self.total += operator_flops(func, args, kwargs, out)
+        if not any(_traced(t) for t in tree_flatten((args, kwargs))[0]):
+            self.total += operator_flops(func, args, kwargs, out)
         return out
+
+
+def _traced(value) -> bool:
+    return isinstance(value, (FunctionalTensor, FakeTensor)) or (isinstance(value, torch.Tensor) and value.is_meta)
