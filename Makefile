@@ -25,8 +25,9 @@ test: $(VENV)/.installed
 # caching allocator keeps them. These thresholds keep freed memory in the process, for both programs alike.
 BENCH_MALLOC := MALLOC_MMAP_THRESHOLD_=4294967296 MALLOC_TRIM_THRESHOLD_=68719476736 MALLOC_TOP_PAD_=1073741824
 
+# Quick mode: each backbone and each schedule once; GRID=1 every pair; FULL=1 the grid, larger, with full fine-tuning.
 bench: $(VENV)/.installed
-	$(BENCH_MALLOC) $(PY) -m benchmarks $(if $(FULL),--full,)
+	$(BENCH_MALLOC) $(PY) -m benchmarks $(if $(FULL),--full,$(if $(GRID),--grid,))
 	$(BENCH_MALLOC) $(PY) -m pytest -n 0 -m timing tests/test_cost.py
 
 bench-distributed: $(VENV)/.installed

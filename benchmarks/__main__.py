@@ -1,5 +1,5 @@
-"""``python -m benchmarks [--full] [--out DIR]``: Retain, Reweight and auto against the native program on tiny Flux,
-SD3 and Wan under three schedules of the originals, with LoRA and full fine-tuning."""
+"""``python -m benchmarks [--grid | --full] [--out DIR]``: Retain, Reweight and auto against the native program on
+tiny Flux, SD3 and Wan under three schedules of the originals, with LoRA and full fine-tuning."""
 from __future__ import annotations
 
 import argparse
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from .cases import FAMILIES, TRAINERS, TUNINGS, cases
+from .cases import FAMILIES, QUICK_PAIRS, TRAINERS, TUNINGS, cases
 from .equivalence import train_side_by_side
 from .jobs import run_tasks, single_threaded
 from .measure import measure_case
@@ -24,7 +24,12 @@ MIN_NATIVE_SECONDS = 6.0  # short steps get more rounds, up to about this much n
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__)
-    parser.add_argument("--full", action="store_true", help="larger latents and more repetitions")
+    scope = parser.add_mutually_exclusive_group()
+    scope.add_argument("--grid", action="store_true",
+                       help="every backbone under every schedule (default: each backbone once and each schedule "
+                            "once: " + ", ".join("/".join(pair) for pair in QUICK_PAIRS) + ")")
+    scope.add_argument("--full", action="store_true",
+                       help="the grid with larger latents, more repetitions and full fine-tuning")
     parser.add_argument("--out", type=Path, default=Path("bench-out"), help="output folder (default: bench-out)")
     parser.add_argument("--repetitions", type=int, default=None,
                         help=f"timed steps per program at least (default {QUICK_REPETITIONS}, {FULL_REPETITIONS} with "
@@ -32,8 +37,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--min-seconds", type=float, default=MIN_NATIVE_SECONDS,
                         help="more rounds where native's steps are short, until they add up to about this many "
                              f"seconds (default {MIN_NATIVE_SECONDS:g}; 0: exactly --repetitions)")
-    parser.add_argument("--backbones", nargs="+", choices=FAMILIES, default=list(FAMILIES))
-    parser.add_argument("--trainers", nargs="+", choices=TRAINERS, default=list(TRAINERS))
+    parser.add_argument("--backbones", nargs="+", choices=FAMILIES, default=None,
+                        help="these backbones under the chosen schedules (any of them: the grid over both lists)")
+    parser.add_argument("--trainers", nargs="+", choices=TRAINERS, default=None,
+                        help="these schedules of the originals, on the chosen backbones")
     parser.add_argument("--schedules", nargs="+", choices=SCHEDULES, default=list(SCHEDULES))
     parser.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
     parser.add_argument("--precision", choices=("float32", "bf16"), default="float32",
@@ -62,6 +69,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
+def selected_cases(args: argparse.Namespace) -> list:
+    """Quick mode's pairs, or the grid over the chosen backbones and schedules."""
+    grid = args.grid or args.full or args.backbones is not None or args.trainers is not None
+    return cases(full=args.full, families=args.backbones or FAMILIES, trainers=args.trainers or TRAINERS,
+                 tunings=args.tunings or (list(TUNINGS) if args.full else ["lora"]), device=args.device,
+                 precision=args.precision, pairs=None if grid else QUICK_PAIRS)
+
+
 def progress(row: dict, seconds: float) -> str:
     return (f"{row['backbone']}/{row['trainer']}/{row['tuning']}/{row['schedule']}: speedup {row['speedup']:.2f}x, ideal {row['ideal_speedup']:.2f}x, "
             f"ratio {row['ratio']:.2f} ({seconds:.0f} s)")
@@ -72,9 +87,7 @@ def main(argv=None) -> int:
     single_threaded()
     repetitions = args.repetitions or (FULL_REPETITIONS if args.full else QUICK_REPETITIONS)
     start = time.perf_counter()
-    tunings = args.tunings or (list(TUNINGS) if args.full else ["lora"])
-    measured = cases(full=args.full, families=args.backbones, trainers=args.trainers, tunings=tunings,
-                     device=args.device, precision=args.precision)
+    measured = selected_cases(args)
     tasks = [(measure_case, case, repetitions, tuple(args.schedules), args.min_seconds) for case in measured]
     if args.equivalence_steps > 0:
         tasks += [(train_side_by_side, args.equivalence_steps, precision) for precision in ("float64", "bf16")]

@@ -11,6 +11,9 @@ FAMILIES = ("flux", "sd3", "wan")
 # activation checkpointing in native).
 TRAINERS = ("flowgrpo", "fast", "dancegrpo")
 TUNINGS = ("lora", "full")
+# Quick mode: every backbone once and every schedule once, two of them the paper's settings (SD3.5 FlowGRPO, Wan
+# DanceGRPO). The grid (every backbone under every schedule) is ``--grid``.
+QUICK_PAIRS = (("flux", "fast"), ("sd3", "flowgrpo"), ("wan", "dancegrpo"))
 PROMPTS = (1, 2)
 GROUP_SIZE = 2
 
@@ -79,11 +82,13 @@ def backbone_sizes(family: str, full: bool = False) -> dict:
 
 
 def cases(full: bool = False, families=FAMILIES, trainers=TRAINERS, tunings=TUNINGS, smallest: bool = False,
-          device: str = "cpu", precision: str = "float32") -> list[Case]:
-    """The benchmark's row groups; ``smallest`` keeps the tiny defaults (for tests of the machinery);
-    ``precision="bf16"`` runs the backbone under bf16 autocast over float32 weights (as on a GPU)."""
+          device: str = "cpu", precision: str = "float32", pairs=None) -> list[Case]:
+    """The benchmark's row groups: each family under each trainer, or only the ``(family, trainer)`` ``pairs``
+    among them; ``smallest`` keeps the tiny defaults (for tests of the machinery); ``precision="bf16"`` runs the
+    backbone under bf16 autocast over float32 weights (as on a GPU)."""
     num_samples = len(PROMPTS) * GROUP_SIZE
     numerics = {"mixed_precision": "bf16"} if precision == "bf16" else {}
     return [Case(family, trainer, replace(trainer_config(trainer, num_samples, tuning), **numerics),
                  {} if smallest else backbone_sizes(family, full), device=device)
-            for family in families for trainer in trainers for tuning in tunings]
+            for family in families for trainer in trainers if pairs is None or (family, trainer) in pairs
+            for tuning in tunings]

@@ -82,8 +82,8 @@ def median(timings: list[Timing], kind: str) -> float:
 
 def counted_step(trainer, prompts) -> tuple[Timing, int]:
     """A step and its FLOPs (matmuls, attention and convolutions, forward and backward): torch's FLOP formulas, the
-    CPU's attention kernels included, counted per operator as the step runs. The counter slows the step, so this
-    is the warm-up: the compiler's tracing in a program's first step is not counted, so every step counts alike."""
+    CPU's attention kernels included, counted per operator as the step runs; operators a compiler traces in the
+    step are not counted. The counter slows the step: it is not a timed one."""
     with FlopCounter() as counter:
         timing, _ = timed_step(trainer, prompts)
     return timing, counter.total
@@ -132,8 +132,8 @@ def same_program(auto, schedule: str) -> bool:
 
 def measure_case(case: Case, repetitions: int, schedules: tuple[str, ...] = ("retain", "reweight", "auto"),
                  min_seconds: float = 0.0) -> list[dict]:
-    """One row per schedule. Every program runs the same sequence of steps (a FLOP-counted warm-up, then the timed
-    rounds), so their weights must agree with the native program's at the end. The planner's predictions come from an auto
+    """One row per schedule. Every program runs the same sequence of steps (two warm-up steps, the second
+    FLOP-counted, then the timed rounds), so their weights must agree with the native program's at the end. The planner's predictions come from an auto
     compilation of the same trainer (on this CPU, for this step's samples). At least ``repetitions`` rounds are
     timed, more where native's steps are short, until they add up to about ``min_seconds`` of native time."""
     programs = build_programs(case, schedules)
@@ -145,10 +145,13 @@ def measure_case(case: Case, repetitions: int, schedules: tuple[str, ...] = ("re
         timed_as["auto"] = next((s for s in schedules if s != "auto" and same_program(programs["auto"], s)), "auto")
     timed = {name: programs[name] for name in ("native", *schedules) if timed_as.get(name, name) == name}
     prompts = list(case.prompts)
-    warm_up = {name: counted_step(trainer, prompts) for name, trainer in timed.items()}  # compiles, traces
-    flops = {name: count for name, (_, count) in warm_up.items()}
+    warm_up = {name: timed_step(trainer, prompts)[0] for name, trainer in timed.items()}  # compiles, traces
+    # Not the first step: that one can skip work every later step does (while LoRA's B is zero the policy is the
+    # KL reference, so Reweight's KL gradient is exactly zero and its backward is skipped), and the paths it
+    # skipped compile in the second.
+    flops = {name: counted_step(trainer, prompts)[1] for name, trainer in timed.items()}
     # A short step's ratio spreads more between rounds; a time budget evens the rows' precision.
-    repetitions = max(repetitions, math.ceil(min_seconds / warm_up["native"][0].wall))
+    repetitions = max(repetitions, math.ceil(min_seconds / warm_up["native"].wall))
     times, stats = interleaved_times(timed, prompts, repetitions)
     native = programs["native"]
     rows = []

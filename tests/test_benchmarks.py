@@ -102,3 +102,24 @@ def test_cases_measured_at_once_come_back_in_the_order_asked():
     tasks = [(sorted, [3, 1, 2]), (pow, 2, 10), (max, 4, 9), (abs, -5)]
     done = {jobs: sorted((i, result) for i, result, seconds in run_tasks(tasks, jobs)) for jobs in (1, 2)}
     assert done[1] == done[2] == [(0, [1, 2, 3]), (1, 1024), (2, 9), (3, 5)]
+
+
+def test_quick_mode_runs_each_backbone_and_each_schedule_once_and_the_grid_runs_every_pair():
+    from benchmarks.__main__ import parse_args, selected_cases
+
+    quick = [(c.backbone, c.trainer) for c in selected_cases(parse_args([]))]
+    assert sorted(b for b, _ in quick) == ["flux", "sd3", "wan"]
+    assert sorted(t for _, t in quick) == ["dancegrpo", "fast", "flowgrpo"]
+    assert len(selected_cases(parse_args(["--grid"]))) == 9
+    full = selected_cases(parse_args(["--full"]))
+    assert len(full) == 18 and {c.tuning for c in full} == {"lora", "full"}
+    assert [(c.backbone, c.trainer) for c in selected_cases(parse_args(["--backbones", "sd3"]))] == [
+        ("sd3", "flowgrpo"), ("sd3", "fast"), ("sd3", "dancegrpo")]
+
+
+def test_grid_and_full_are_refused_together(capsys):
+    from benchmarks.__main__ import parse_args
+
+    with pytest.raises(SystemExit):
+        parse_args(["--grid", "--full"])
+    assert "--full" in capsys.readouterr().err
