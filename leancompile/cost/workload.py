@@ -92,7 +92,7 @@ class WorkloadCounter(TorchDispatchMode):
 class FlopCounter(TorchDispatchMode):
     """The FLOPs of the operators computed inside it. A compiler tracing inside it (AOTAutograd on a program's first
     call) runs operators on functional, fake or meta tensors: those compute nothing and are not counted, so a
-    compiling step counts what every later step computes."""
+    compiling step counts only what it computes."""
 
     def __init__(self):
         super().__init__()
