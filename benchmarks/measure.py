@@ -134,8 +134,9 @@ def measure_case(case: Case, repetitions: int, schedules: tuple[str, ...] = ("re
                  min_seconds: float = 0.0) -> list[dict]:
     """One row per schedule. Every program runs the same sequence of steps (two warm-up steps, the second
     FLOP-counted, then the timed rounds), so their weights must agree with the native program's at the end. The
-    planner's predictions come from an auto compilation of the same trainer (on this CPU, for this step's samples). At least ``repetitions`` rounds are
-    timed, more where native's steps are short, until they add up to about ``min_seconds`` of native time."""
+    planner's predictions come from an auto compilation of the same trainer (on this CPU, for this step's
+    samples). At least ``repetitions`` rounds are timed, more where native's steps are short, until they add up to
+    about ``min_seconds`` of native time."""
     programs = build_programs(case, schedules)
     cost = (programs["auto"] if "auto" in programs else leancompile.optimize(build_trainer(case))).plan.cost
     # Where auto compiled to exactly a single schedule's program, timing it again would only measure noise: its
