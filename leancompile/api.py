@@ -11,9 +11,10 @@ from . import passes
 from .optimized import optimized_class
 from .plan import Plan, StepAction
 from .protocol import check_protocol
-from .runtime.retain import RetainRuntime
-from .runtime.per_sample import trainable_linear_layers
-from .runtime.reweight import ReweightRuntime
+from .runtime.engine import ReuseEngine
+from .runtime.retain import Retain
+from .runtime.reweight import Reweight
+from .runtime.rowwise import RowwiseBackbone
 from .cost import planner as cost_planner
 from .cost.devices import get_device, live_device
 from .cost.scenario import trainer_scenario
@@ -41,17 +42,21 @@ class Graphs(dict):
         return [self[name] for name in self]
 
 
-def _reuse_window(config) -> str:
-    k = config.num_trained_steps
-    per_step = config.gradient_accumulation_steps * config.train_batch_size
-    return (f"epoch 0, micro-batches 0..{config.gradient_accumulation_steps - 1} "
-            f"({config.gradient_accumulation_steps * k} micro-steps, up to {per_step} samples x {k} trained steps) "
-            "reuse the rollout; every later micro-step recomputes: the first optimizer step changes the weights")
+REUSE_RULE = ("per backbone call, verified when it happens: every row's inputs bitwise equal to a kept row's, the "
+              "same weights (version counters; a fingerprint once per update phase), training flags, adapters and "
+              "autocast; anything else recomputes natively (stats: recompute_reasons)")
 
 
 def _native_plan(config, requested: str, shared: str, reason: str, findings=()) -> Plan:
     steps = tuple(StepAction(i, "native", reason) for i in range(config.num_steps))
     return Plan("native", requested, steps, "none", shared, "nothing", tuple(findings), choice=reason)
+
+
+def _engine(trainer, schedule, plan_steps, tune_matmuls: bool) -> ReuseEngine:
+    """The engine for ``trainer``'s backbone, with one per-row backbone per activation budget the plan uses."""
+    fractions = {a.fraction for a in plan_steps if a.keeps} | {1.0}
+    rowwise = {f: RowwiseBackbone(trainer.backbone, f, tune_matmuls=tune_matmuls) for f in sorted(fractions)}
+    return ReuseEngine(trainer.backbone, schedule, rowwise)
 
 
 def optimize(trainer, schedule: str = "auto", memory_budget: float | None = None, strict: bool = False,
@@ -108,7 +113,7 @@ def optimize(trainer, schedule: str = "auto", memory_budget: float | None = None
     optimized.__class__ = optimized_class(type(trainer))
     optimized.plan = plan
     optimized.graphs = graphs
-    optimized._runtime = runtime
+    optimized._engine = runtime
     return optimized
 
 
@@ -149,11 +154,10 @@ def _compile(trainer, programs, requested: str, memory_budget, strict: bool, bud
         reason = "reuse refused: " + "; ".join(validity.reasons)
         return _native_plan(config, requested, description, reason, findings), graphs, None
     linearity = passes.check_linearity(programs.update)
-    linear = trainable_linear_layers(trainer.backbone, trainer.trainable)[1]
     refusal = _reweight_refusal(linearity, shared.cast_only)
     steps, cost = (), None
     if requested == "auto":
-        cost = _cost_plan(trainer, budget, refusal, linearity, linear)
+        cost = _cost_plan(trainer, budget, refusal, linearity)
         auto = cost["auto"]
         use_reweight, steps = auto.runs == "reweight", auto.steps if auto.runs == "retain" else ()
         choice = (f"auto: planned on {cost.device} within {cost_planner.format_bytes(cost.budget)}: {auto.note}; predicted "
@@ -169,24 +173,21 @@ def _compile(trainer, programs, requested: str, memory_budget, strict: bool, bud
         # Traced on first access: a second trace of the backbone, forward and backward, that only inspection reads.
         graphs = Graphs(rollout=functools.partial(passes.capture_provisional, trainer), update=programs.update,
                         rollout_traced=programs.rollout)
-        accumulate = functools.partial(passes.reweight_buffers, config, bool(linearity.advantage_free))
-        runtime = ReweightRuntime(trainer, shared.layout.segments, accumulate, bool(linearity.advantage_free),
-                                  tune_matmuls)
-        plan = Plan("reweight", requested, _steps(config, "reweight"), _reuse_window(config), description,
-                    "nothing", findings, _describe_linearity(linearity), _describe_buffers(config), choice, cost)
-        return plan, graphs, runtime
+        steps = _steps(config, "reweight")
+        plan = Plan("reweight", requested, steps, REUSE_RULE, description, "nothing", findings,
+                    _describe_linearity(linearity), BUFFERS, choice, cost)
+        return plan, graphs, _engine(trainer, Reweight(), steps, tune_matmuls)
     need = passes.prune_gradient_need(programs.update, pair[0], shared.layout.segments)
     rewritten = passes.rewrite_for_retain(programs.rollout, programs.update, pair)
     graphs = {"rollout": rewritten.rollout, "update": rewritten.update,
               "rollout_traced": programs.rollout, "update_traced": programs.update}
-    runtime = RetainRuntime(trainer.backbone, trainer.trainable, shared.layout.segments, need.needed,
-                            memory_budget or 1.0, verify_inputs=not shared.cast_only, steps=steps,
-                            tune_matmuls=tune_matmuls)
     pruned = (f"segment(s) {list(need.pruned)} of the batch carry no gradient (e.g. a detached CFG branch): "
-              "run without grad, not retained") if need.pruned else "nothing"
-    plan = Plan("retain", requested, _steps(config, "retain", steps), _reuse_window(config), description, pruned,
-                findings, _describe_linearity(linearity), "none", choice, cost)
-    return plan, graphs, runtime
+              "their cotangent is zero") if need.pruned else "nothing"
+    default = f"retain@{memory_budget}" if memory_budget is not None and memory_budget < 1 else "retain"
+    steps = _steps(config, default, steps)
+    plan = Plan("retain", requested, steps, REUSE_RULE, description, pruned, findings,
+                _describe_linearity(linearity), "none", choice, cost)
+    return plan, graphs, _engine(trainer, Retain(), steps, tune_matmuls)
 
 
 def _reweight_refusal(linearity, cast_only: bool) -> str | None:
@@ -200,18 +201,17 @@ def _reweight_refusal(linearity, cast_only: bool) -> str | None:
     return None
 
 
-def _cost_plan(trainer, budget: _Budget, refusal, linearity, linear: bool):
+def _cost_plan(trainer, budget: _Budget, refusal, linearity):
     """The planner's predictions for this trainer on the device it runs on (or the one named)."""
     config = trainer.config
     samples = budget.samples_per_step or config.train_batch_size * config.gradient_accumulation_steps
     samples = max(samples, config.group_size)
     free = bool(linearity.advantage_free)
-    rollout_batch = min(config.sample_batch_size or samples, samples)
     scenario = trainer_scenario(trainer, samples, reweight_refusal=refusal, advantage_free=free,
                                 world_size=trainer.sync.world_size,
                                 sharding="fsdp" if trainer.sync.kind == "fsdp" else "ddp",
-                                per_sample_backwards=1 if linear or rollout_batch == 1 else rollout_batch,
-                                buffers=passes.reweight_buffers(config, free, samples).count)
+                                per_sample_backwards=1,
+                                buffers=samples * config.num_trained_steps)
     device = budget.device
     if device is None:
         device = live_device(trainer.device.type)
@@ -220,12 +220,8 @@ def _cost_plan(trainer, budget: _Budget, refusal, linearity, linear: bool):
     return cost_planner.plan(scenario, device, budget.memory_limit)
 
 
-def _describe_buffers(config) -> str:
-    bound = passes.advantage_bound(config.adv_unbiased, config.global_std)
-    return ("per step: moment accumulators (a constant number of buffers per group) when the advantage clip "
-            f"provably never binds (|A| < {bound}) and every sample is trained in equal micro-batches before the "
-            "first optimizer step, and the rollout runs fewer samples at once than it holds; otherwise one "
-            "buffer per sample (stats: buffer_mode)")
+BUFFERS = ("one provisional gradient per kept row and trained step (per basis cotangent: the policy term, and the "
+           "advantage-free terms where the loss has them), each used by at most one call with grad")
 
 
 def _describe_linearity(linearity) -> str:
@@ -247,14 +243,14 @@ def _steps(config, action: str, planned: tuple[str, ...] = ()) -> tuple[StepActi
                    "window": "trained when inside the SDE window"}[config.trained_steps]
         this = planned[position] if position < len(planned) else action
         position += 1
-        how = {"retain": "the rollout keeps its activations for the micro-steps",
-               "reweight": "the rollout backpropagates it at a provisional advantage of 1, corrected for the "
-                           "micro-steps",
-               "offload": "the rollout keeps its activations in host memory for the micro-steps",
+        how = {"retain": "the rollout keeps its activations for the update's calls",
+               "reweight": "the rollout backpropagates it at provisional advantages; the update's calls add the "
+                           "combination their cotangents call for",
+               "offload": "the rollout keeps its activations in host memory for the update's calls",
                "recompute": "retaining it does not fit the memory budget: the update recomputes it"}
         reason = how.get(this) or (f"the rollout keeps a fraction {this.split('@')[1]} of its activations, the "
                                    "backward recomputes the rest")
         if this != "recompute":
-            reason += " before the first optimizer step; later micro-steps recompute"
+            reason += ", served to each call verified to recompute it"
         steps.append(StepAction(i, this, f"{trained}: {reason}"))
     return tuple(steps)

@@ -1,14 +1,19 @@
-"""The optimized trainer: the user's trainer class with the protocol's call sites routed through a runtime.
+"""The optimized trainer: the user's trainer class with its backbone calls routed through the reuse engine.
 
 :func:`leancompile.optimize` returns a shallow copy of the trainer whose class is ``Optimized<Name>``, this mixin
-placed before the trainer's own class. Each override calls the trainer's own method and lets the runtime
-(:class:`~leancompile.runtime.retain.RetainRuntime` or :class:`~leancompile.runtime.reweight.ReweightRuntime`)
-answer the backbone calls it rewrote; with no runtime (the native plan) every method is the trainer's.
+placed before the trainer's own class. During a step every ``self.backbone(...)`` call goes through the
+:class:`~leancompile.runtime.engine.ReuseEngine`, which serves a call from the rollout only where it verifies it;
+the overrides below only say which rollout calls to keep (the plan's trained steps) and, for Reweight, run the
+trainer's own loss head on each kept step. The update, its backward and its optimizer steps are the trainer's own.
 """
 from __future__ import annotations
 
+import torch
+
 from .plan import Plan
-from .runtime.base import Runtime, running, swapped_backbone
+from .runtime.base import running
+from .runtime.engine import ReuseEngine
+from .trainers.grpo import MicroStep
 
 
 class Optimized:
@@ -16,8 +21,9 @@ class Optimized:
 
     plan: Plan
     graphs: dict
-    _runtime: Runtime | None
-    _sync_deferred = False  # a backward that should have synced the gradients left it to the runtime
+    _engine: ReuseEngine | None
+    _predicted = None  # epoch 0's trained steps (samples, k), predicted before the rollout
+    _kept_now: list = ()
 
     def explain(self) -> str:
         from .explain import explain_text
@@ -25,113 +31,112 @@ class Optimized:
         return explain_text(self)
 
     def step(self, prompts):
-        runtime = self._runtime
-        if runtime is None:
+        engine = self._engine
+        if engine is None:
             return super().step(prompts)
-        runtime.begin_step()
         try:
-            with self.sync.whole_weights(self) as (backbone, _), running(self, backbone):
+            with self.sync.whole_weights(self) as (backbone, _), running(self, _Routed(backbone, engine)):
                 stats = super().step(prompts)
         finally:
-            records, extra = runtime.state.records, runtime.end_step()
+            self.last_calls = list(engine.log.records)
+            extra = engine.end_step()
+            self._predicted = None
         stats.update(extra)
-        self.last_micro_steps = list(records)
-        self.graphs.update(runtime_graphs(runtime))
+        self.graphs.update(runtime_graphs(engine))
         return stats
+
+    def rollout(self, prompts):
+        self._num_samples = len(list(prompts)) * getattr(self, "samples_per_prompt", self.config.group_size)
+        return super().rollout(prompts)
 
     def sde_mask(self):
         mask = super().sde_mask()
-        if self._runtime is not None:
-            # Epoch 0's trained steps come from the ``steps`` generator right after the window, exactly where the
-            # native update would draw them; rewards cannot change them, so they are known before the rollout.
-            self._runtime.state.schedule = super().trained_step_schedule(self._num_samples, mask)
+        if self._engine is not None:
+            self._predicted = self._predict_schedule(mask)
         return mask
 
-    def rollout(self, prompts):
-        prompts = list(prompts)
-        self._num_samples = len(prompts) * getattr(self, "samples_per_prompt", self.config.group_size)
-        if self._runtime is not None:
-            self._runtime.begin_rollout(self, prompts)
-        return super().rollout(prompts)
+    def _predict_schedule(self, mask):
+        """The update's first trained-step draw, made now on copies of the generators' states (so the update draws
+        the same numbers itself). A wrong prediction only keeps calls the update does not ask for."""
+        generators = getattr(self, "generators", {})
+        states = {name: g.get_state() for name, g in generators.items()}
+        try:
+            return super().trained_step_schedule(self._num_samples, mask)
+        finally:
+            for name, g in generators.items():
+                g.set_state(states[name])
 
-    def trained_step_schedule(self, num_samples, sde_steps):
-        runtime = self._runtime
-        if runtime is not None and runtime.state.schedule is not None:  # epoch 0: the draw made before the rollout
-            schedule, runtime.state.schedule = runtime.state.schedule, None
-            return schedule
-        if runtime is not None:
-            runtime.next_epoch()
-        return super().trained_step_schedule(num_samples, sde_steps)
+    def _step_action(self, step: int, rows: torch.Tensor):
+        """The plan's action for the rollout's call at ``step`` over ``rows`` (None: not kept)."""
+        predicted = self._predicted
+        if predicted is None or not bool((predicted[rows.cpu()] == step).any()):
+            return None
+        action = self.plan.steps[step]
+        return action if action.keeps else None
 
     def rollout_velocity(self, step, rows, x, sigma, cond):
-        call = self._runtime.rollout_call(step, rows) if self._runtime is not None else None
-        if call is None:
+        action = self._step_action(step, rows) if self._engine is not None else None
+        if action is None:
+            self._kept_now = ()
             return super().rollout_velocity(step, rows, x, sigma, cond)
-        with swapped_backbone(self, call):
-            return super().rollout_velocity(step, rows, x, sigma, cond)
+        with self._engine.keeping(action) as kept:
+            velocity = super().rollout_velocity(step, rows, x, sigma, cond)
+        self._kept_now = kept
+        return velocity
 
     def rollout_step(self, step, rows, x, cond, sde):
         x_next, log_prob = super().rollout_step(step, rows, x, cond, sde)
-        if self._runtime is not None:
-            self._runtime.after_rollout_step(step, rows, x, x_next, log_prob, cond, super().micro_step_loss)
+        if self._kept_now and hasattr(self._engine.schedule, "provisional"):
+            self._provisional(step, rows, x, x_next, log_prob, cond)
+        self._kept_now = ()
         return x_next, log_prob
 
-    def update(self, rollout, advantages):
-        if self._runtime is not None:
-            self._runtime.begin_update(rollout, advantages)
-        return super().update(rollout, advantages)
+    def _provisional(self, step, rows, x, x_next, log_prob, cond) -> None:
+        """Reweight: the trainer's own loss head on this step's kept output for the rows that train it, at
+        provisional advantages 1 and 0."""
+        trained = (self._predicted[rows.cpu()] == step).any(dim=1).nonzero().flatten().to(x.device)
+        sigmas = self.sigmas
 
-    def micro_step(self, rollout, advantages, rows, steps):
-        if self._runtime is not None:
-            self._runtime.track_micro_step(rows)
-        return super().micro_step(rollout, advantages, rows, steps)
+        def head(advantage: float):
+            micro = MicroStep(rows=rows[trained], steps=torch.full_like(trained, step), x=x[trained],
+                              prev_sample=x_next[trained], sigma=sigmas[step].expand(len(trained)),
+                              sigma_next=sigmas[step + 1].expand(len(trained)), cond=cond.index(trained),
+                              log_prob_old=log_prob[trained],
+                              advantages=torch.full((len(trained),), advantage, dtype=x.dtype, device=x.device))
+            return lambda: super(Optimized, self).micro_step_loss(micro)[0]
 
-    def micro_step_loss(self, micro):
-        if self._runtime is None:
-            return super().micro_step_loss(micro)
-        return self._runtime.micro_step_loss(micro, super().micro_step_loss)
-
-    def train_velocity(self, micro):
-        call = self._runtime.train_call(micro) if self._runtime is not None else None
-        if call is None:
-            return super().train_velocity(micro)
-        with swapped_backbone(self, call):
-            return super().train_velocity(micro)
-
-    def reference_velocity(self, micro):
-        if self._runtime is None:
-            return super().reference_velocity(micro)
-        return self._runtime.reference_velocity(micro, super().reference_velocity)
-
-    def backward(self, loss, sync=True):
-        runtime = self._runtime
-        if runtime is None:
-            return super().backward(loss, sync)
-        # While the rollout's work is pending, the gradient sync waits for the runtime's own backward.
-        defer = runtime.window_refusal() is None
-        self._sync_deferred = self._sync_deferred or (defer and sync)
-        super().backward(loss, sync and not defer)
-        runtime.after_backward()
+        with torch.enable_grad():
+            self._engine.schedule.provisional(self._engine, list(self._kept_now), [head(1.0), head(0.0)])
 
     def optimizer_step(self):
-        if self._runtime is not None:
-            deferred, self._sync_deferred = self._sync_deferred, False
-            if not self._runtime.before_optimizer_step(self.sync.backward(deferred)) and deferred:
-                self.sync.flush(self.trainable)
         super().optimizer_step()
-        self.sync.weights_changed()
+        if self._engine is not None:
+            self.sync.weights_changed()  # FSDP2: the whole weights a rewritten step runs on are gathered anew
 
 
-def runtime_graphs(runtime) -> dict:
-    """The graphs a runtime compiled while running: the partitioned backbone, the correction."""
+class _Routed:
+    """Looks like the backbone (attributes delegate to it) but calls go through the engine."""
+
+    def __init__(self, backbone, engine: ReuseEngine):
+        self._backbone = backbone
+        self._engine = engine
+
+    def __call__(self, x, sigma, cond):
+        return self._engine(x, sigma, cond)
+
+    def __getattr__(self, name):
+        return getattr(self._backbone, name)
+
+
+def runtime_graphs(engine: ReuseEngine) -> dict:
+    """The graphs the engine traced while running: the per-row backbone's forward and backward."""
     graphs = {}
-    partitioned = getattr(runtime, "partitioned", None)
-    if partitioned is not None and partitioned.forward_graph is not None:
-        graphs["backbone_forward"] = partitioned.forward_graph
-        graphs["backbone_backward"] = partitioned.backward_graph
-    correction = getattr(runtime, "correction", None)
-    if correction is not None and correction.graph is not None:
-        graphs["correction"] = correction.graph
+    for fraction, rowwise in engine.rowwise.items():
+        suffix = "" if fraction == 1.0 else f"@{fraction:.2f}"
+        if rowwise.forward_graph is not None:
+            graphs["backbone_forward" + suffix] = rowwise.forward_graph
+        if rowwise.backward_graph is not None:
+            graphs["backbone_backward" + suffix] = rowwise.backward_graph
     return graphs
 
 

@@ -10,6 +10,21 @@ class StepAction:
     action: str  # "retain" | "retain@f" | "offload" | "reweight" | "recompute" | "native" | "no-grad"
     reason: str
 
+    @property
+    def kind(self) -> str:
+        """The action without its fraction: ``"retain@0.40"`` is ``"retain"``."""
+        return self.action.split("@")[0]
+
+    @property
+    def fraction(self) -> float:
+        """The fraction of the activations a partial retention keeps (1 otherwise)."""
+        return float(self.action.split("@")[1]) if "@" in self.action else 1.0
+
+    @property
+    def keeps(self) -> bool:
+        """Whether the rollout keeps this step's call for the update."""
+        return self.kind in ("retain", "offload", "reweight")
+
 
 @dataclass(frozen=True)
 class Plan:
@@ -26,9 +41,6 @@ class Plan:
     buffers: str = "none"  # how Reweight holds its provisional gradients, and why
     choice: str = ""  # why this schedule rather than the others
     cost: object = None  # the planner's predictions (a leancompile.cost.CostPlan) when auto chose
-
-    def action(self, step: int) -> StepAction:
-        return self.steps[step]
 
     def __str__(self) -> str:
         lines = [f"leancompile plan: schedule={self.schedule} (requested {self.requested})",

@@ -1,0 +1,303 @@
+"""The reuse engine: every backbone call goes through it, and each is served from a kept rollout call only when
+it is verified, at the moment it happens, to recompute that call's rows; anything else runs natively.
+
+Keeping. A call the plan keeps (the rollout's trained steps; the caller says so with :meth:`ReuseEngine.keeping`)
+runs through :class:`~leancompile.runtime.rowwise.RowwiseBackbone`: its output values, its inputs and state
+(:mod:`leancompile.runtime.identity`) and, per row, what its schedule needs later (:mod:`.retain`: the saved
+tensors; :mod:`.reweight`: provisional gradients) are kept, indexed by a digest of each row's inputs.
+
+Serving. Any later call looks its rows up by content: each must have a kept row with bitwise-equal inputs and the
+same state (weights unmodified, training flags, adapters, autocast), or the whole call recomputes natively and the
+step's statistics count the reason. A served call without grad returns the kept values. A served call with grad
+returns them through an autograd function whose backward hands the schedule the call's cotangent and returns the
+trainable parameters' gradients: they are accumulated into ``.grad`` by that very backward, so a loop that clips,
+reads ``.grad`` or steps the optimizer whenever it likes sees exactly the native gradient. Kept calls made with
+weights that have since changed can never match again and are freed.
+"""
+from __future__ import annotations
+
+import contextlib
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+
+from ..backbones import Conditioning
+from .identity import CallState, StateReader, call_inputs, row_keys
+from .rowwise import RowwiseBackbone
+
+
+@dataclass
+class KeptCall:
+    """One kept backbone call."""
+
+    state: CallState
+    inputs: tuple[torch.Tensor, ...]  # detached, rows on dimension 0
+    output: torch.Tensor  # detached values
+    rowwise: RowwiseBackbone | None = None  # what ran it (None: values only, e.g. a KL reference)
+    key: tuple = ()  # its program's key in ``rowwise``
+    rows: object = None  # the schedule's per-row record (saved tensors, provisional gradients)
+    nbytes: int = 0  # what the schedule holds for it
+
+
+@dataclass(frozen=True)
+class Match:
+    """Where each row of a call was found: ``(kept call, row)`` in the call's row order."""
+
+    places: tuple[tuple[KeptCall, int], ...]
+
+    def gather(self, attribute: str = "output") -> torch.Tensor:
+        return torch.stack([getattr(kept, attribute)[row] for kept, row in self.places])
+
+    def by_call(self):
+        """``(kept call, its rows, positions in this call)`` for each kept call involved."""
+        groups: dict[int, tuple[KeptCall, list, list]] = {}
+        for position, (kept, row) in enumerate(self.places):
+            groups.setdefault(id(kept), (kept, [], []))[1].append(row)
+            groups[id(kept)][2].append(position)
+        return list(groups.values())
+
+
+@dataclass
+class CallRecord:
+    """What the engine did with one call (the step's ``last_calls``)."""
+
+    action: str  # "served" | "served values" | "recomputed" | "kept"
+    rows: int
+    reason: str
+    kind: str = ""  # the reason's kind, for the statistics
+
+
+@dataclass
+class StepLog:
+    records: list[CallRecord] = field(default_factory=list)
+
+    def stats(self) -> dict:
+        count = lambda action, what: sum(what(r) for r in self.records if r.action == action)
+        return {"served_calls": count("served", lambda r: 1) + count("served values", lambda r: 1),
+                "served_rows": count("served", lambda r: r.rows) + count("served values", lambda r: r.rows),
+                "recomputed_calls": count("recomputed", lambda r: 1),
+                "recomputed_rows": count("recomputed", lambda r: r.rows),
+                "recompute_reasons": dict(Counter(r.kind for r in self.records if r.action == "recomputed"))}
+
+
+class Schedule:
+    """What a schedule (Retain, Reweight) adds to the engine: what it keeps per row and how a served call's
+    backward turns the call's cotangent into parameter gradients."""
+
+    name = "schedule"
+
+    def keep(self, engine: "ReuseEngine", kept: KeptCall, saved: list[torch.Tensor], action) -> None:
+        raise NotImplementedError
+
+    def claim(self, match: Match) -> str | None:
+        """Reserve ``match``'s rows for one served call with grad; why not (None: reserved)."""
+        return None
+
+    def gradients(self, engine: "ReuseEngine", match: Match, cotangent: torch.Tensor) -> list[torch.Tensor] | None:
+        """The trainable parameters' gradients for the served rows (None: not verified, recompute them)."""
+        raise NotImplementedError
+
+
+class ReuseEngine:
+    """Routes the calls of one ``backbone`` (``backbone(x, sigma, cond)``) through kept calls of ``schedule``."""
+
+    def __init__(self, backbone, schedule: Schedule, rowwise: dict[float, RowwiseBackbone]):
+        self.backbone = backbone
+        self.schedule = schedule
+        self.rowwise = rowwise  # one per activation budget (Retain's partial retention)
+        self.reader = StateReader(backbone)
+        self.log = StepLog()
+        self.kept: list[KeptCall] = []
+        self._index: dict[tuple, list[tuple[KeptCall, int]]] = {}
+        self._made: list[KeptCall] = []
+        self._keeping = None  # the plan's action for the next call while the caller keeps it
+        self._leaves: list | None = None  # while provisional loss heads run: the leaves handed out
+        self._fingerprint = None  # of the weights when the first call was kept; checked at the first lookup
+        self._checked = True
+        self.held_bytes = 0
+        self.peak_bytes = 0
+
+    # ------------------------------------------------------------------------------------------ keeping
+
+    @contextlib.contextmanager
+    def keeping(self, action):
+        """Keep the calls made inside under the plan's ``action`` (a :class:`~leancompile.plan.StepAction`: its
+        ``kind`` and ``fraction``). Yields the list of the calls kept."""
+        self._keeping, self._made = action, []
+        try:
+            yield self._made
+        finally:
+            self._keeping = None
+
+    def __call__(self, x, sigma, cond: Conditioning) -> torch.Tensor:
+        inputs = call_inputs(x, sigma, cond)
+        state = self.reader.read(inputs)
+        if self._keeping is not None:
+            return self._keep(x, sigma, cond, inputs, state)
+        match, reason, kind = self._lookup(inputs, state)
+        if match is not None and self._leaves is not None and torch.is_grad_enabled():
+            leaf = match.gather().requires_grad_()  # a provisional head differentiates the kept output
+            self._leaves.append((match, leaf))
+            return leaf
+        if match is not None and not torch.is_grad_enabled():
+            self.log.records.append(CallRecord("served values", len(match.places), "kept values"))
+            return match.gather()
+        if match is not None:
+            if any(t.requires_grad for t in inputs):
+                reason, kind = "an input requires grad: its gradient is not kept", "input grad"
+            else:
+                reason = self.schedule.claim(match)
+                kind = "used"
+            if reason is None:
+                record = CallRecord("served", len(match.places), f"verified ({self.schedule.name})")
+                self.log.records.append(record)
+                return _Served.apply(self, match, (x, sigma, cond), record, *self.trainable(match))
+        output = self.backbone(x, sigma, cond)
+        if self._leaves is not None and not torch.is_grad_enabled():
+            self._remember(state, inputs, output.detach())  # e.g. a KL reference the update will ask for again
+        elif torch.is_grad_enabled():
+            self.log.records.append(CallRecord("recomputed", inputs[0].shape[0], reason, kind))
+        return output
+
+    def _keep(self, x, sigma, cond, inputs, state) -> torch.Tensor:
+        action = self._keeping
+        rowwise = self.rowwise[getattr(action, "fraction", 1.0)]
+        key = state.compile_key
+        program = rowwise.program(key, x, sigma, cond)
+        if program.random:
+            self.log.records.append(CallRecord("recomputed", len(x), f"random operator {program.random[0]} in the "
+                                               "call: a rerun draws other numbers", "random"))
+            return self.backbone(x, sigma, cond)
+        if self._fingerprint is None:
+            self._fingerprint = self.reader.fingerprint()
+        output, saved = rowwise.forward(key, x, sigma, cond)
+        kept = self._remember(state, inputs, output, rowwise, key)
+        self.schedule.keep(self, kept, saved, action)
+        self._count(kept.nbytes)
+        self._checked = False
+        self._made.append(kept)
+        self.log.records.append(CallRecord("kept", len(x), str(getattr(action, "kind", action))))
+        return output
+
+    def _remember(self, state, inputs, output, rowwise=None, key=()) -> KeptCall:
+        kept = KeptCall(state, tuple(t.detach() for t in inputs), output, rowwise, key)
+        self.kept.append(kept)
+        for row, key in enumerate(row_keys(inputs)):
+            self._index.setdefault(key, []).append((kept, row))
+        return kept
+
+    # ------------------------------------------------------------------------------------------ serving
+
+    def _lookup(self, inputs, state: CallState) -> tuple[Match | None, str, str]:
+        """The kept rows that verifiably recompute this call's rows, or why not (reason, kind)."""
+        if not self.kept:
+            return None, "nothing kept", "nothing kept"
+        if not self._checked:
+            self._checked = True
+            if not torch.equal(self.reader.fingerprint(), self._fingerprint):
+                self.release()
+                return None, "a weight was written in place (through .data) since it was kept", "weights"
+        places, differences = [], Counter()
+        for row, key in enumerate(row_keys(inputs)):
+            found = None
+            for kept, kept_row in self._index.get(key, ()):
+                difference = kept.state.difference(state)
+                if difference is None:
+                    found = (kept, kept_row)
+                    break
+                differences[difference] += 1
+            if found is None:
+                break
+            places.append(found)
+        self._drop_stale(state)
+        if len(places) < inputs[0].shape[0]:
+            if differences:
+                kind = differences.most_common(1)[0][0]
+                return None, f"the kept call with these inputs differs in {kind}", kind
+            return None, f"row {len(places)}: no kept call has these inputs", "inputs"
+        match = Match(tuple(places))
+        for kept, rows, positions in match.by_call():
+            rows, positions = torch.tensor(rows), torch.tensor(positions)
+            for mine, theirs in zip(inputs, kept.inputs):
+                if not torch.equal(mine[positions.to(mine.device)], theirs[rows.to(theirs.device)]):
+                    return None, "inputs equal in digest but not bitwise", "inputs"
+        return match, "", ""
+
+    def _drop_stale(self, state: CallState) -> None:
+        """Kept calls made with other weights versions never match again (counters only grow): free them."""
+        stale = [k for k in self.kept if k.state.versions != state.versions]
+        if stale:
+            self.kept = [k for k in self.kept if k.state.versions == state.versions]
+            self._reindex(stale)
+
+    def _reindex(self, dropped) -> None:
+        dropped = {id(k) for k in dropped}
+        self._index = {key: kept_rows for key, rows in self._index.items()
+                       if (kept_rows := [(k, r) for k, r in rows if id(k) not in dropped])}
+        self.held_bytes = sum(k.nbytes for k in self.kept)
+
+    @staticmethod
+    def trainable(match: Match) -> list[torch.Tensor]:
+        """The parameters a served call's backward gives gradients to (equal state: equal for every kept call)."""
+        kept = match.places[0][0]
+        return kept.rowwise.trainable(kept.key)
+
+    def _count(self, nbytes: int) -> None:
+        self.held_bytes += nbytes
+        self.peak_bytes = max(self.peak_bytes, self.held_bytes)
+
+    # ---------------------------------------------------------------------------------------- provisional
+
+    @contextlib.contextmanager
+    def answering_with_leaves(self):
+        """Inside, a call with grad that matches kept rows returns them as a leaf (a loss head on the kept output,
+        no second forward); calls without grad that do not match are kept as values. Yields the leaves list."""
+        self._leaves = []
+        try:
+            yield self._leaves
+        finally:
+            self._leaves = None
+
+    # ----------------------------------------------------------------------------------------- lifetime
+
+    def release(self) -> None:
+        self.kept, self._index = [], {}
+        self.held_bytes = 0
+        self._fingerprint, self._checked = None, True
+
+    def end_step(self) -> dict:
+        stats = {**self.log.stats(), "held_bytes": self.peak_bytes}
+        self.release()
+        self.log, self.peak_bytes = StepLog(), 0
+        return stats
+
+
+class _Served(torch.autograd.Function):
+    """A served call: its output is the kept values; its backward asks the schedule for the parameters' gradients
+    (or, where the schedule cannot verify them, recomputes the rows natively)."""
+
+    @staticmethod
+    def forward(ctx, engine, match, call, record, *parameters):
+        ctx.engine, ctx.match, ctx.call, ctx.record = engine, match, call, record
+        return match.gather()
+
+    @staticmethod
+    def backward(ctx, cotangent):
+        engine, match = ctx.engine, ctx.match
+        grads = engine.schedule.gradients(engine, match, cotangent)
+        if grads is None:
+            ctx.record.action, ctx.record.kind = "recomputed", "cotangent"
+            ctx.record.reason = "its cotangent is not in the span of those the rollout backpropagated"
+            grads = _native_gradients(engine, ctx.call, match, cotangent)
+        return (None, None, None, None, *grads)
+
+
+def _native_gradients(engine, call, match: Match, cotangent) -> list[torch.Tensor]:
+    """The call's forward and backward as the loop would have run them (same autocast state)."""
+    x, sigma, cond = call
+    enabled, dtype = match.places[0][0].state.autocast
+    with torch.enable_grad(), torch.autocast(x.device.type, dtype=dtype, enabled=enabled):
+        output = engine.backbone(x, sigma, cond)
+    return list(torch.autograd.grad(output, engine.trainable(match), cotangent, allow_unused=True,
+                                    materialize_grads=True))

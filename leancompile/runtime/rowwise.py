@@ -1,0 +1,165 @@
+"""The backbone as its batch-1 AOTAutograd partition mapped over rows: any subset of a call's rows can be
+backpropagated alone.
+
+A kept call must serve update calls that hold any of its rows, in any order and grouping (shuffled micro-batches,
+CFG as one doubled call or as two). The partition of the batched call cannot backpropagate a subset of its rows for
+a subset's price, so the backbone is partitioned at one row (min-cut: the forward graph saves what the backward
+graph reads) and both graphs are traced under ``torch.vmap`` over a leading row dimension into plain aten graphs
+at the batch sizes that occur. Every saved tensor then has its row on dimension 0, by construction: rows are
+independent because the program is the one-row program applied to each row, and the backward of rows ``R`` is
+the one-row backward of each, run on ``saved[R]``, with each parameter's gradient summed over the rows (Retain) or
+kept per row (Reweight's per-sample gradients, for every kind of parameter).
+
+Graphs are compiled per row signature (shapes without the batch, dtypes, autocast, module state) and traced per
+batch size; the batch-1 partition runs the simplifying passes of :mod:`leancompile.runtime.partition` and
+:func:`~leancompile.passes.rowwise.prepare_for_rows`, the traced graphs the matrix-product order pass.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from functorch.compile import make_boxed_func
+from torch._functorch import config as functorch_config
+from torch._functorch.aot_autograd import aot_function
+from torch._functorch.partitioners import min_cut_rematerialization_partition
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from ..backbones import Conditioning
+from ..passes.identities import drop_copies_of_unshared_values, drop_multiplications_by_one
+from ..passes.matmul_order import order_matrix_products
+from ..passes.rowwise import prepare_for_rows, random_operators
+from .partition import without_checkpointing
+
+
+@dataclass
+class RowProgram:
+    """The batch-1 partition of one row signature."""
+
+    forward: torch.fx.GraphModule  # (weights..., x, sigma, text[, pooled]) -> (output, *saved)
+    backward: torch.fx.GraphModule  # (*saved, cotangent) -> gradients of the forward's inputs (None: no grad)
+    trainable: tuple[int, ...]  # positions among the weights whose gradient the backward returns
+    per_row: tuple[bool, ...]  # per saved tensor: computed from the row's data (else from the weights alone)
+    random: tuple[str, ...]  # nodes that draw random numbers: such a call is never kept
+
+
+class RowwiseBackbone:
+    """``backbone(x, sigma, cond)`` run row by row (as one vmapped graph) with its saved tensors handed out."""
+
+    def __init__(self, backbone, memory_budget: float = 1.0, tune_matmuls: bool = True):
+        self.backbone = backbone
+        self.memory_budget = memory_budget
+        self.tune_matmuls = tune_matmuls
+        # Looked up once: walking the modules on every call costs milliseconds per step.
+        self._params = dict(backbone.named_parameters())
+        self._buffers = dict(backbone.named_buffers())
+        self._programs: dict[tuple, RowProgram] = {}
+        self._forwards: dict[tuple, torch.fx.GraphModule] = {}
+        self._backwards: dict[tuple, torch.fx.GraphModule] = {}
+        self.forward_graph: torch.fx.GraphModule | None = None  # the last traced, for inspection
+        self.backward_graph: torch.fx.GraphModule | None = None
+
+    @property
+    def weights(self) -> list[torch.Tensor]:
+        return [*self._params.values(), *self._buffers.values()]
+
+    def trainable(self, key: tuple) -> list[torch.Tensor]:
+        """The parameters whose gradients the backward of program ``key`` returns, in its order."""
+        weights = self.weights
+        return [weights[i] for i in self._programs[key].trainable]
+
+    # ------------------------------------------------------------------------------------------ compile
+
+    def program(self, key: tuple, x, sigma, cond: Conditioning) -> RowProgram:
+        """The batch-1 partition for the row signature ``key`` (compiled from the first row on first use)."""
+        if key not in self._programs:
+            self._programs[key] = self._partition(x[:1], sigma[:1], cond.index(slice(0, 1)))
+        return self._programs[key]
+
+    def _partition(self, x, sigma, cond: Conditioning) -> RowProgram:
+        backbone, graphs = self.backbone, {}
+
+        def forward(params, buffers, x, sigma, text, pooled):
+            return torch.func.functional_call(backbone, (params, buffers), (x, sigma, Conditioning(text, pooled)))
+
+        def keep(name):
+            def compiler(gm, _):
+                graphs[name] = gm
+                return make_boxed_func(gm)
+            return compiler
+
+        compiled = aot_function(forward, fw_compiler=keep("forward"), bw_compiler=keep("backward"),
+                                partition_fn=min_cut_rematerialization_partition)
+        data = [t.detach() for t in (x, sigma, cond.text, cond.pooled) if t is not None]
+        with without_checkpointing(backbone.model), torch.enable_grad(), \
+                functorch_config.patch(activation_memory_budget=self.memory_budget):
+            out = compiled(self._params, self._buffers, *data[:3], data[3] if len(data) > 3 else None)
+            # Compiles the backward graph; through autograd.grad, so no parameter's .grad is touched.
+            torch.autograd.grad(out, [p for p in self._params.values() if p.requires_grad], torch.zeros_like(out),
+                                allow_unused=True)
+        fw, bw = graphs["forward"], graphs["backward"]
+        random = tuple(random_operators(fw))
+        for gm in (fw, bw):
+            drop_multiplications_by_one(gm)
+            drop_copies_of_unshared_values(gm)
+            prepare_for_rows(gm)
+        results = next(iter(bw.graph.find_nodes(op="output"))).args[0]
+        weights = len(self._params) + len(self._buffers)
+        trainable = tuple(i for i, r in enumerate(results[:weights]) if r is not None)
+        return RowProgram(fw, bw, trainable, _reads_data(fw, weights), random)
+
+    def _traced(self, cache: dict, key: tuple, fn, args) -> torch.fx.GraphModule:
+        if key not in cache:
+            with torch.autocast(args[1].device.type, enabled=False):
+                gm = make_fx(fn, tracing_mode="fake")(*args)
+            if self.tune_matmuls:
+                order_matrix_products(gm)
+            cache[key] = gm
+        return cache[key]
+
+    # -------------------------------------------------------------------------------------------- run
+
+    def forward(self, key: tuple, x, sigma, cond: Conditioning) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The call's output and its saved tensors (row on dimension 0), without autograd."""
+        program = self.program(key, x, sigma, cond)
+        data = [t.detach() for t in (x, sigma, cond.text, cond.pooled) if t is not None]
+        fw, out_dims = program.forward, (0, *(0 if r else None for r in program.per_row))
+
+        def rows(weights, *data):
+            one = lambda *row: tuple(fw(*weights, *[t.unsqueeze(0) for t in row]))
+            return torch.vmap(one, out_dims=out_dims)(*data)
+
+        gm = self._traced(self._forwards, (key, x.shape[0]), rows, (self.weights, *data))
+        self.forward_graph = gm
+        with torch.no_grad(), torch.autocast(x.device.type, enabled=False):
+            output, *saved = gm(self.weights, *data)
+        return output.squeeze(1), saved
+
+    def backward(self, key: tuple, saved: list[torch.Tensor], cotangent: torch.Tensor,
+                 per_row: bool = False) -> list[torch.Tensor]:
+        """Gradients of the program's trainable parameters for the rows ``saved`` holds, given the output's
+        ``cotangent``: summed over the rows, or ``(rows, *shape)`` each when ``per_row``."""
+        program = self._programs[key]
+        bw, in_dims = program.backward, (*(0 if r else None for r in program.per_row), 0)
+
+        def rows(saved, cotangent):
+            one = lambda *a: tuple(g for g in bw(*a[:-1], a[-1].unsqueeze(0)) if g is not None)
+            grads = torch.vmap(one, in_dims=in_dims)(*saved, cotangent)
+            return list(grads) if per_row else [g.sum(0) for g in grads]
+
+        gm = self._traced(self._backwards, (key, cotangent.shape[0], per_row), rows, (saved, cotangent))
+        self.backward_graph = gm
+        with torch.no_grad(), torch.autocast(cotangent.device.type, enabled=False):
+            return gm(saved, cotangent)
+
+
+
+def _reads_data(fw: torch.fx.GraphModule, weights: int) -> tuple[bool, ...]:
+    """Per saved output of ``fw``: whether it depends on a data input (the placeholders after the weights)."""
+    placeholders = list(fw.graph.find_nodes(op="placeholder"))
+    reads = set(placeholders[weights:])
+    for node in fw.graph.nodes:
+        if node.op == "call_function" and any(a in reads for a in node.all_input_nodes):
+            reads.add(node)
+    saved = next(iter(fw.graph.find_nodes(op="output"))).args[0][1:]
+    return tuple(n in reads for n in saved)
