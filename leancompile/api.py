@@ -17,7 +17,7 @@ from .runtime.reweight import Reweight
 from .runtime.rowwise import RowwiseBackbone
 from .cost import planner as cost_planner
 from .cost.devices import get_device, live_device
-from .cost.scenario import trainer_scenario
+from .cost.scenario import reweight_buffers, trainer_scenario
 
 SCHEDULES = ("auto", "retain", "reweight", "native")
 
@@ -211,7 +211,7 @@ def _cost_plan(trainer, budget: _Budget, refusal, linearity):
                                 world_size=trainer.sync.world_size,
                                 sharding="fsdp" if trainer.sync.kind == "fsdp" else "ddp",
                                 per_sample_backwards=1,
-                                buffers=samples * config.num_trained_steps)
+                                buffers=reweight_buffers(config, free, samples))
     device = budget.device
     if device is None:
         device = live_device(trainer.device.type)

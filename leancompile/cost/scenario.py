@@ -7,12 +7,18 @@ import math
 import torch
 
 from ..backbones import factory
-from ..passes import reweight_buffers
 from ..trainers import DanceGRPOConfig, FlowGRPOConfig
 from .planner import Scenario
 from .profile import profile_call
 
 TRAINERS = {"flowgrpo": FlowGRPOConfig, "dancegrpo": DanceGRPOConfig}
+
+
+def reweight_buffers(config, advantage_free: bool, samples: int) -> int:
+    """Whole-gradient buffers Reweight holds at most: one per backbone row (two per sample under CFG) and trained
+    step, per provisional cotangent (the policy term, and the advantage-free terms where the loss has them)."""
+    rows = 2 if config.use_cfg else 1
+    return samples * rows * config.num_trained_steps * (2 if advantage_free else 1)
 
 
 def trainer_scenario(trainer, samples_per_step: int, **fields) -> Scenario:
@@ -75,16 +81,14 @@ def model_scenario(name: str, *, trainer: str = "dancegrpo", resolution: int = 1
     profile = _cached_profile(backbone, None, "cpu")
     trainable = [p for p in backbone.parameters() if p.requires_grad]
     advantage_free = beta > 0
-    buffers = reweight_buffers(config, advantage_free, samples).count
+    buffers = reweight_buffers(config, advantage_free, samples)
     return Scenario(config, samples, profile,
                     total_params=sum(p.numel() for p in backbone.parameters()),
                     trainable_params=sum(p.numel() for p in trainable),
                     weight_bytes=2, trainable_bytes=4,
                     latent_bytes=math.prod(backbone.latent_shape) * 4,
                     compute_dtype=torch.bfloat16, advantage_free=advantage_free,
-                    # LoRA's A and B are linear layers (one backward gives per-sample gradients); full
-                    # fine-tuning at micro-batch 1 needs none.
-                    per_sample_backwards=1 if lora_rank is not None or micro_batch == 1 else micro_batch,
+                    per_sample_backwards=1,  # the per-row backward gives every parameter's per-row gradients
                     buffers=buffers, world_size=world_size, sharding=sharding)
 
 

@@ -11,32 +11,30 @@ from .identities import drop_copies_of_unshared_values, drop_multiplications_by_
 from .inplace import write_scatters_in_place
 from .linearity import Linearity, check_linearity
 from .matmul_order import order_matrix_products
-from .moments import BufferPlan, advantage_bound, clip_never_binds, max_abs_advantage, reweight_buffers
 from .rewrite import RewrittenPrograms, rewrite_for_retain
+from .rowwise import RowwiseResult, prepare_for_rows, random_operators
 from .validity import Validity, check_validity
 
 __all__ = [
     "BackboneCall",
-    "BufferPlan",
     "GradientNeed",
     "Linearity",
     "Programs",
+    "RowwiseResult",
     "RewrittenPrograms",
     "SharedBackbone",
     "Validity",
-    "advantage_bound",
     "capture",
     "capture_provisional",
     "check_linearity",
     "check_validity",
-    "clip_never_binds",
     "detect_shared_backbone",
     "drop_copies_of_unshared_values",
     "drop_multiplications_by_one",
-    "max_abs_advantage",
     "order_matrix_products",
+    "prepare_for_rows",
     "prune_gradient_need",
-    "reweight_buffers",
+    "random_operators",
     "rewrite_for_retain",
     "write_scatters_in_place",
 ]

@@ -64,12 +64,10 @@ def without_checkpointing(model):
 class PartitionedBackbone:
     """``backbone(x, sigma, cond)`` through AOTAutograd's joint graph and min-cut partition."""
 
-    def __init__(self, backbone, memory_budget: float = 1.0, backward_pass=None, tune_matmuls: bool = True):
+    def __init__(self, backbone, memory_budget: float = 1.0, tune_matmuls: bool = True):
         self.backbone = backbone
         self.memory_budget = memory_budget
         self.tune_matmuls = tune_matmuls  # False: products run as traced, whatever the device times
-        # ``backward_pass(gm, rows)`` may rewrite each backward graph before it runs (it knows the batch's rows).
-        self.backward_pass = backward_pass
         self._compiled = {}
         # Looked up once: walking the modules on every call costs milliseconds per step.
         self._params = dict(backbone.named_parameters())
@@ -105,8 +103,6 @@ class PartitionedBackbone:
             return make_boxed_func(gm)
 
         def keep_backward(gm, _):
-            if self.backward_pass is not None:
-                gm = self.backward_pass(gm, rows)
             self._simplify(gm)
             self.backward_graph = gm
             return make_boxed_func(gm)
