@@ -39,3 +39,29 @@ def make_trainer():
         return cls(config, backbone, reward, prompts, uncond=prompts.uncond if config.use_cfg else None)
 
     return build
+
+
+def mark_optimizer_steps(trainer):
+    """Record, at each optimizer step of ``trainer`` (an optimized trainer), how many backbone calls the engine
+    had logged; returns the list it fills."""
+    marks, step = [], trainer.optimizer.step
+
+    def marking(*args, **kwargs):
+        marks.append(len(trainer._engine.log.records) if trainer._engine is not None else 0)
+        return step(*args, **kwargs)
+
+    trainer.optimizer.step = marking
+    return marks
+
+
+def check_served_calls(trainer, marks, every_call_served: bool):
+    """Calls with grad before the step's first optimizer step are served (or recompute because no kept row has
+    their inputs, e.g. a later epoch's other trained steps); none is served after it (the weights changed)."""
+    records = getattr(trainer, "last_calls", [])
+    first = marks[0] if marks else len(records)
+    before = [r for r in records[:first] if r.action in ("served", "recomputed")]
+    after = [r for r in records[first:] if r.action in ("served", "recomputed")]
+    assert all(r.action == "served" or r.kind == "inputs" for r in before), [r for r in before]
+    if every_call_served and before:
+        assert any(r.action == "served" for r in before), before
+    assert all(r.action == "recomputed" and r.kind in ("weights", "nothing kept", "inputs") for r in after), after

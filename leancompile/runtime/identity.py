@@ -73,10 +73,13 @@ class StateReader:
 
 
 def row_keys(inputs: tuple[torch.Tensor, ...]) -> list[tuple]:
-    """A hashable digest of each row's inputs (equal rows give equal digests; the match is then checked bitwise)."""
+    """A hashable digest of each row's inputs: a weighted sum of the row's bytes in integers, exact whatever the
+    batch it sits in (a float reduction would round differently in a batch of 4 than alone). Equal rows give equal
+    digests; a match is then checked bitwise."""
     columns = []
     for t in inputs:
-        flat = t.detach().reshape(t.shape[0], -1).double()
-        weights = torch.arange(flat.shape[1], device=flat.device, dtype=torch.float64).mul_(0.7548776662).sin_()
-        columns.append(flat @ (weights + 1.5))
+        data = t.detach().contiguous().reshape(t.shape[0], -1).view(torch.uint8).to(torch.int64)
+        weights = torch.arange(data.shape[1], device=data.device, dtype=torch.int64).mul_(2654435761).remainder_(
+            2**31).add_(1)
+        columns.append(data @ weights if data.device.type != "cpu" else (data * weights).sum(1))
     return [tuple(row) for row in torch.stack(columns, dim=1).tolist()]

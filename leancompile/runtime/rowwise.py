@@ -40,6 +40,7 @@ class RowProgram:
     backward: torch.fx.GraphModule  # (*saved, cotangent) -> gradients of the forward's inputs (None: no grad)
     trainable: tuple[int, ...]  # positions among the weights whose gradient the backward returns
     per_row: tuple[bool, ...]  # per saved tensor: computed from the row's data (else from the weights alone)
+    absent: int  # trailing data inputs that are None (e.g. Wan's pooled conditioning): passed as None
     random: tuple[str, ...]  # nodes that draw random numbers: such a call is never kept
 
 
@@ -106,7 +107,8 @@ class RowwiseBackbone:
         results = next(iter(bw.graph.find_nodes(op="output"))).args[0]
         weights = len(self._params) + len(self._buffers)
         trainable = tuple(i for i, r in enumerate(results[:weights]) if r is not None)
-        return RowProgram(fw, bw, trainable, _reads_data(fw, weights), random)
+        absent = len(list(fw.graph.find_nodes(op="placeholder"))) - weights - len(data)
+        return RowProgram(fw, bw, trainable, _reads_data(fw, weights), absent, random)
 
     def _traced(self, cache: dict, key: tuple, fn, args) -> torch.fx.GraphModule:
         if key not in cache:
@@ -126,7 +128,8 @@ class RowwiseBackbone:
         fw, out_dims = program.forward, (0, *(0 if r else None for r in program.per_row))
 
         def rows(weights, *data):
-            one = lambda *row: tuple(fw(*weights, *[t.unsqueeze(0) for t in row]))
+            absent = [None] * program.absent
+            one = lambda *row: tuple(fw(*weights, *[t.unsqueeze(0) for t in row], *absent))
             return torch.vmap(one, out_dims=out_dims)(*data)
 
         gm = self._traced(self._forwards, (key, x.shape[0]), rows, (self.weights, *data))
