@@ -65,7 +65,7 @@ def _worker(rank, world, port, selected, repetitions, out):
                    "gradient_syncs": s["gradient_syncs"], "gradient_collectives": s["gradient_collectives"],
                    "optimizer_steps": s["optimizer_steps"],
                    "native_gradient_collectives": stats["native"]["gradient_collectives"],
-                   "reused_micro_steps": s["reused_micro_steps"], "repetitions": repetitions,
+                   "served_calls": s["served_calls"], "repetitions": repetitions,
                    "max_rel_weight_diff": max_rel_weight_diff(native, programs[schedule])}
             row["ratio"] = row["speedup"] / row["ideal_speedup"]
             rows.append(row)

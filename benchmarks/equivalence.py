@@ -38,9 +38,9 @@ def train_side_by_side(steps: int, precision: str = "float64") -> dict:
         n, a = native.step(PROMPTS), auto.step(PROMPTS)
         rewards["native"].append(n["reward_mean"])
         rewards["auto"].append(a["reward_mean"])
-        reused += a["reused_micro_steps"]
+        reused += a["served_calls"]
     update = _weights(native) - start
     return {"precision": precision, "steps": steps, "auto_runs": auto.plan.schedule,
-            "reused_micro_steps": reused, "rewards_native": rewards["native"], "rewards_auto": rewards["auto"],
+            "served_calls": reused, "rewards_native": rewards["native"], "rewards_auto": rewards["auto"],
             "max_reward_diff": max(abs(x - y) for x, y in zip(rewards["native"], rewards["auto"])),
             "weight_rel_error": float((_weights(native) - _weights(auto)).norm() / update.norm())}

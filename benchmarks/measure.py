@@ -171,11 +171,10 @@ def measure_case(case: Case, repetitions: int, schedules: tuple[str, ...] = ("re
                "optimized_flops": flops[source],
                # what the schedule holds from the rollout to the update: activations (retain), gradient buffers and
                # the backbone's kept inputs and outputs (reweight)
-               "held_bytes": s.get("retained_bytes", s.get("buffer_bytes", 0) + s.get("kept_output_bytes", 0)),
+               "held_bytes": s.get("retained_bytes", s.get("buffer_bytes", 0)),
                "offloaded_bytes": s.get("offloaded_bytes", 0),
-               "buffer_mode": s.get("buffer_mode", "-"),
-               "reused_micro_steps": s["reused_micro_steps"],
-               "recomputed_micro_steps": s["recomputed_micro_steps"],
+               "served_calls": s["served_calls"],
+               "recomputed_calls": s["recomputed_calls"],
                "repetitions": repetitions,
                "max_rel_weight_diff": max_rel_weight_diff(native, optimized),
                "parameters": sum(p.numel() for p in native.backbone.parameters()),

@@ -23,7 +23,6 @@ COLUMNS = (
     ("CPU-time speedup", "cpu_speedup", "{:.2f}x"),
     ("held MiB", "held_bytes", "{:.2f}"),
     ("peak MiB", "peak_bytes", "{:.1f}"),
-    ("buffers", "buffer_mode", "{}"),
     ("auto's plan", "plan", "{}"),
     ("timed as", "timed_as", "{}"),
     ("max rel weight diff", "max_rel_weight_diff", "{:.1e}"),
@@ -58,9 +57,9 @@ def markdown_table(rows: list[dict], columns=COLUMNS) -> str:
 
 
 def equivalence_markdown(runs: list[dict]) -> str:
-    lines = ["| precision | GRPO steps | auto runs | micro-steps reused | max reward difference | weight rel. error |",
+    lines = ["| precision | GRPO steps | auto runs | calls served | max reward difference | weight rel. error |",
              "|---|---|---|---|---|---|"]
-    lines += [f"| {r['precision']} | {r['steps']} | {r['auto_runs']} | {r['reused_micro_steps']} | "
+    lines += [f"| {r['precision']} | {r['steps']} | {r['auto_runs']} | {r['served_calls']} | "
               f"{r['max_reward_diff']:.1e} | {r['weight_rel_error']:.1e} |" for r in runs]
     return "\n".join(lines)
 

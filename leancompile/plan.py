@@ -33,7 +33,7 @@ class Plan:
     schedule: str  # "retain" | "reweight" | "native"
     requested: str  # what the user asked for ("auto", "retain", ...)
     steps: tuple[StepAction, ...]
-    reuse_window: str  # which update micro-steps reuse the rollout
+    reuse: str  # the rule by which an update call is served from the rollout
     shared: str  # what the shared-backbone detection found
     pruned: str  # what gradient-need pruning removed from retention
     findings: tuple[str, ...] = ()  # validity findings (numerics, refusals)
@@ -45,7 +45,7 @@ class Plan:
     def __str__(self) -> str:
         lines = [f"leancompile plan: schedule={self.schedule} (requested {self.requested})",
                  f"  shared backbone: {self.shared}",
-                 f"  reuse window:    {self.reuse_window}",
+                 f"  reuse:           {self.reuse}",
                  f"  pruned:          {self.pruned}",
                  f"  linearity:       {self.linearity}",
                  f"  buffers:         {self.buffers}",

@@ -25,7 +25,7 @@ from .passes.meta import CALL, INPUT, PROVISIONAL, REWRITE, SHARED
 # role -> (fill, outline, legend text). Highlighted roles come first: they are what the report is about.
 ROLES = {
     "inserted": ("#8fdc9b", "#1e7b34", "inserted by the rewrite (Retain: the rollout keeps the backbone output; "
-                 "Reweight: the provisional backward and the correction)"),
+                 "Reweight: the provisional backward)"),
     "reused": ("#9fcbff", "#1f5fa8", "placeholder that reads the rollout's retained backbone output"),
     "removed": ("#ffa79d", "#b3261e", "update backbone node shared with the rollout, removed by the rewrite"),
     "backbone": ("#ffdc8f", "#a86f00", "backbone call region, collapsed into one box"),
@@ -383,7 +383,7 @@ def _rows(cells_per_row, header=None) -> str:
 
 def _plan_html(plan) -> str:
     facts = [("schedule", f"{plan.schedule} (requested {plan.requested})"), ("shared backbone", plan.shared),
-             ("reuse window", plan.reuse_window), ("pruned", plan.pruned), ("linearity", plan.linearity),
+             ("reuse", plan.reuse), ("pruned", plan.pruned), ("linearity", plan.linearity),
              ("buffers", plan.buffers), ("choice", plan.choice)]
     facts += [("finding", f) for f in plan.findings]
     steps = [(a.step, a.action, a.reason) for a in plan.steps]

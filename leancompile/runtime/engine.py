@@ -86,6 +86,7 @@ class Schedule:
     backward turns the call's cotangent into parameter gradients."""
 
     name = "schedule"
+    held = "held_bytes"  # the statistic that reports the peak bytes it keeps
 
     def keep(self, engine: "ReuseEngine", kept: KeptCall, saved: list[torch.Tensor], action) -> None:
         raise NotImplementedError
@@ -267,7 +268,7 @@ class ReuseEngine:
         self._fingerprint, self._checked = None, True
 
     def end_step(self) -> dict:
-        stats = {**self.log.stats(), "held_bytes": self.peak_bytes}
+        stats = {**self.log.stats(), self.schedule.held: self.peak_bytes}
         self.release()
         self.log, self.peak_bytes = StepLog(), 0
         return stats

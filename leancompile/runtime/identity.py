@@ -78,7 +78,9 @@ def row_keys(inputs: tuple[torch.Tensor, ...]) -> list[tuple]:
     digests; a match is then checked bitwise."""
     columns = []
     for t in inputs:
-        data = t.detach().contiguous().reshape(t.shape[0], -1).view(torch.uint8).to(torch.int64)
+        flat = t.detach().reshape(t.shape[0], -1)
+        # A fresh row-major copy: a broadcast sigma (stride 0) cannot be viewed as bytes.
+        data = flat.new_empty(flat.shape).copy_(flat).view(torch.uint8).to(torch.int64)
         weights = torch.arange(data.shape[1], device=data.device, dtype=torch.int64).mul_(2654435761).remainder_(
             2**31).add_(1)
         columns.append(data @ weights if data.device.type != "cpu" else (data * weights).sum(1))

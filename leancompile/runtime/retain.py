@@ -12,6 +12,7 @@ from .engine import KeptCall, Match, ReuseEngine, Schedule
 
 class Retain(Schedule):
     name = "retain"
+    held = "retained_bytes"
 
     def keep(self, engine: ReuseEngine, kept: KeptCall, saved: list[torch.Tensor], action) -> None:
         per_row = kept.rowwise._programs[kept.key].per_row

@@ -34,6 +34,7 @@ def span_tolerance(dtype: torch.dtype) -> float:
 
 class Reweight(Schedule):
     name = "reweight"
+    held = "buffer_bytes"
 
     def keep(self, engine: ReuseEngine, kept: KeptCall, saved: list[torch.Tensor], action) -> None:
         kept.rows = saved  # until its provisional heads have run

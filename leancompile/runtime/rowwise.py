@@ -16,6 +16,8 @@ batch size; the batch-1 partition runs the simplifying passes of :mod:`leancompi
 """
 from __future__ import annotations
 
+import hashlib
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
@@ -32,6 +34,10 @@ from ..passes.rowwise import prepare_for_rows, random_operators
 from .partition import without_checkpointing
 
 
+_TRACES: OrderedDict = OrderedDict()  # (program digest, batch, ...) -> traced graph, across backbones
+_TRACES_KEPT = 64
+
+
 @dataclass
 class RowProgram:
     """The batch-1 partition of one row signature."""
@@ -41,6 +47,7 @@ class RowProgram:
     trainable: tuple[int, ...]  # positions among the weights whose gradient the backward returns
     per_row: tuple[bool, ...]  # per saved tensor: computed from the row's data (else from the weights alone)
     absent: int  # trailing data inputs that are None (e.g. Wan's pooled conditioning): passed as None
+    digest: str  # of both graphs' code and constants: equal programs share their traced graphs
     random: tuple[str, ...]  # nodes that draw random numbers: such a call is never kept
 
 
@@ -108,15 +115,24 @@ class RowwiseBackbone:
         weights = len(self._params) + len(self._buffers)
         trainable = tuple(i for i, r in enumerate(results[:weights]) if r is not None)
         absent = len(list(fw.graph.find_nodes(op="placeholder"))) - weights - len(data)
-        return RowProgram(fw, bw, trainable, _reads_data(fw, weights), absent, random)
+        return RowProgram(fw, bw, trainable, _reads_data(fw, weights), absent, random, _digest(fw, bw))
 
     def _traced(self, cache: dict, key: tuple, fn, args) -> torch.fx.GraphModule:
+        """``fn`` traced on ``args``; shared by every backbone whose program has the same digest (the weights are
+        inputs: two trainers of one architecture trace once)."""
         if key not in cache:
-            with torch.autocast(args[1].device.type, enabled=False):
-                gm = make_fx(fn, tracing_mode="fake")(*args)
-            if self.tune_matmuls:
-                order_matrix_products(gm)
-            cache[key] = gm
+            leaves = [a for arg in args for a in (arg if isinstance(arg, list) else [arg])]
+            shared = (self._programs[key[0]].digest, key[1:], self.tune_matmuls,
+                      tuple((tuple(t.shape), t.dtype, t.device) for t in leaves))
+            if shared not in _TRACES:
+                with torch.autocast(args[1].device.type, enabled=False):
+                    gm = make_fx(fn, tracing_mode="fake")(*args)
+                if self.tune_matmuls:
+                    order_matrix_products(gm)
+                _TRACES[shared] = gm
+                while len(_TRACES) > _TRACES_KEPT:
+                    _TRACES.popitem(last=False)
+            cache[key] = _TRACES[shared]
         return cache[key]
 
     # -------------------------------------------------------------------------------------------- run
@@ -166,3 +182,16 @@ def _reads_data(fw: torch.fx.GraphModule, weights: int) -> tuple[bool, ...]:
             reads.add(node)
     saved = next(iter(fw.graph.find_nodes(op="output"))).args[0][1:]
     return tuple(n in reads for n in saved)
+
+
+def _digest(*graphs: torch.fx.GraphModule) -> str:
+    """What a graph computes, weights aside: its code and the values of its constants."""
+    h = hashlib.sha256()
+    for gm in graphs:
+        h.update(gm.code.encode())
+        for node in gm.graph.find_nodes(op="get_attr"):
+            value = getattr(gm, node.target)
+            if isinstance(value, torch.Tensor):
+                h.update(str((value.dtype, tuple(value.shape))).encode())
+                h.update(value.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
