@@ -115,7 +115,7 @@ class RowwiseBackbone:
         weights = len(self._params) + len(self._buffers)
         trainable = tuple(i for i, r in enumerate(results[:weights]) if r is not None)
         absent = len(list(fw.graph.find_nodes(op="placeholder"))) - weights - len(data)
-        return RowProgram(fw, bw, trainable, _reads_data(fw, weights), absent, random, _digest(fw, bw))
+        return RowProgram(fw, bw, trainable, _reads_data(fw, weights), absent, _digest(fw, bw), random)
 
     def _traced(self, cache: dict, key: tuple, fn, args) -> torch.fx.GraphModule:
         """``fn`` traced on ``args``; shared by every backbone whose program has the same digest (the weights are
