@@ -71,7 +71,7 @@ def optimize(trainer, schedule: str = "auto", memory_budget: float | None = None
             update's backward), ``"reweight"`` (backpropagate during the rollout with a provisional advantage and
             correct once the advantages are known), or ``"native"`` (the untransformed program). Where the
             requested schedule is not valid the plan falls back (Reweight to Retain, Retain to native) and says why.
-        memory_budget: the fraction (0, 1] of the backbone's saved activations a Retain partition may keep; below
+        memory_budget: the fraction [0, 1] of the backbone's saved activations a Retain partition may keep; below
             1 the min-cut partitioner recomputes the rest in the backward.
         strict: refuse reuse when the rollout's numerics differ from the update's (precision or casts).
         memory_limit: bytes the auto planner may use on the device (default: its free memory less 10%).
@@ -87,8 +87,8 @@ def optimize(trainer, schedule: str = "auto", memory_budget: float | None = None
     """
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule must be one of {SCHEDULES}; got {schedule!r}")
-    if memory_budget is not None and not 0 < memory_budget <= 1:
-        raise ValueError(f"memory_budget must be a fraction in (0, 1] of the saved activations; got {memory_budget!r}")
+    if memory_budget is not None and not 0 <= memory_budget <= 1:
+        raise ValueError(f"memory_budget must be a fraction in [0, 1] of the saved activations; got {memory_budget!r}")
     if not isinstance(strict, bool):
         raise ValueError(f"strict must be True or False; got {strict!r}")
     if not isinstance(tune_matmuls, bool):
@@ -182,12 +182,12 @@ def _compile(trainer, programs, requested: str, memory_budget, strict: bool, bud
     graphs = {"rollout": rewritten.rollout, "update": rewritten.update,
               "rollout_traced": programs.rollout, "update_traced": programs.update}
     pruned = (f"segment(s) {list(need.pruned)} of the batch carry no gradient (e.g. a detached CFG branch): "
-              "their cotangent is zero") if need.pruned else "nothing"
+              "the rollout keeps nothing for them") if need.pruned else "nothing"
     default = f"retain@{memory_budget}" if memory_budget is not None and memory_budget < 1 else "retain"
     steps = _steps(config, default, steps)
     plan = Plan("retain", requested, steps, REUSE_RULE, description, pruned, findings,
                 _describe_linearity(linearity), "none", choice, cost)
-    return plan, graphs, _engine(trainer, Retain(), steps, tune_matmuls)
+    return plan, graphs, _engine(trainer, Retain(shared.layout.segments, need.pruned), steps, tune_matmuls)
 
 
 def _reweight_refusal(linearity, cast_only: bool) -> str | None:

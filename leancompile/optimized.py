@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from .plan import Plan
-from .runtime.base import running
+from .backbones.routing import CalledAs, running
 from .runtime.engine import ReuseEngine
 from .trainers.grpo import MicroStep
 
@@ -35,7 +35,7 @@ class Optimized:
         if engine is None:
             return super().step(prompts)
         try:
-            with self.sync.whole_weights(self) as (backbone, _), running(self, _Routed(backbone, engine)):
+            with self.sync.whole_weights(self) as (backbone, _), running(self, CalledAs(backbone, engine)):
                 stats = super().step(prompts)
         finally:
             self.last_calls = list(engine.log.records)
@@ -112,20 +112,6 @@ class Optimized:
         super().optimizer_step()
         if self._engine is not None:
             self.sync.weights_changed()  # FSDP2: the whole weights a rewritten step runs on are gathered anew
-
-
-class _Routed:
-    """Looks like the backbone (attributes delegate to it) but calls go through the engine."""
-
-    def __init__(self, backbone, engine: ReuseEngine):
-        self._backbone = backbone
-        self._engine = engine
-
-    def __call__(self, x, sigma, cond):
-        return self._engine(x, sigma, cond)
-
-    def __getattr__(self, name):
-        return getattr(self._backbone, name)
 
 
 def runtime_graphs(engine: ReuseEngine) -> dict:

@@ -192,7 +192,7 @@ def capture_provisional(trainer, rows: int | None = None) -> torch.fx.GraphModul
     Nodes carry ``node.meta[PROVISIONAL]``: ``"loss"`` for the head, ``"backward"`` for the backward (those also
     ``REWRITE = "inserted"``); the outputs are ``(x_next, log_prob, provisional_grad_0, ...)``.
     """
-    from ..runtime.base import swapped_backbone
+    from ..backbones.routing import calling
     from ..trainers.grpo import MicroStep
 
     cfg = trainer.config
@@ -217,10 +217,10 @@ def capture_provisional(trainer, rows: int | None = None) -> torch.fx.GraphModul
                 return kept["output"].detach()
 
             def head_velocity(micro):  # the loss head reads the kept output: no second forward
-                with swapped_backbone(trainer, lambda *args: kept["output"]):
+                with calling(trainer, lambda *args: kept["output"]):
                     return train_velocity(micro)
 
-            with swapped_backbone(trainer, forward_with_grad):
+            with calling(trainer, forward_with_grad):
                 v = trainer.rollout_velocity(0, rows, x, sigma, cond)
             res = trainer.step_fn(x, v, sigma, sigma_next, cfg.noise, noise=noise)
             micro = MicroStep(rows, steps, x, res.prev_sample, sigma, sigma_next, cond, res.log_prob,

@@ -194,11 +194,6 @@ class ReuseEngine:
         """The kept rows that verifiably recompute this call's rows, or why not (reason, kind)."""
         if not self.kept:
             return None, "nothing kept", "nothing kept"
-        if not self._checked:
-            self._checked = True
-            if not torch.equal(self.reader.fingerprint(), self._fingerprint):
-                self.release()
-                return None, "a weight was written in place (through .data) since it was kept", "weights"
         places, differences = [], Counter()
         for row, key in enumerate(row_keys(inputs)):
             found = None
@@ -223,6 +218,13 @@ class ReuseEngine:
             for mine, theirs in zip(inputs, kept.inputs):
                 if not torch.equal(mine[positions.to(mine.device)], theirs[rows.to(theirs.device)]):
                     return None, "inputs equal in digest but not bitwise", "inputs"
+        # Once per update phase (the first match served after calls were kept, the rollout's own heads aside):
+        # writes through .data move no version counter.
+        if not self._checked and self._leaves is None:
+            self._checked = True
+            if not torch.equal(self.reader.fingerprint(), self._fingerprint):
+                self.release()
+                return None, "a weight was written in place (through .data) since it was kept", "weights"
         return match, "", ""
 
     def _drop_stale(self, state: CallState) -> None:

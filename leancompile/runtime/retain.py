@@ -2,45 +2,79 @@
 exactly its rows on them (:mod:`leancompile.runtime.rowwise`), so it costs what native's backward of those rows
 costs, and a kept call serves again while the weights are unchanged (a second epoch before any optimizer step).
 With ``offload`` the saved tensors wait in host memory.
+
+Rows the plan proves carry no gradient (a detached CFG branch: ``pruned`` segments of the call's batch) keep no
+saved tensors. Their cotangent must then be zero when served; a loop whose cotangent there is not zero gets
+those calls recomputed natively in the backward, never a different gradient.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
 from .engine import KeptCall, Match, ReuseEngine, Schedule
 
 
+@dataclass
+class RetainedRows:
+    saved: list[torch.Tensor]  # the program's saved tensors, rows on dimension 0 for those computed from the rows
+    position: list[int]  # per row of the call: its row in ``saved`` (-1: pruned, nothing kept)
+
+
 class Retain(Schedule):
     name = "retain"
     held = "retained_bytes"
 
+    def __init__(self, segments: int = 1, pruned: tuple[int, ...] = ()):
+        self.segments = segments
+        self.pruned = tuple(pruned)
+
     def keep(self, engine: ReuseEngine, kept: KeptCall, saved: list[torch.Tensor], action) -> None:
-        per_row = kept.rowwise._programs[kept.key].per_row
+        per_row = kept.rowwise.program_of(kept.key).per_row
+        rows = len(kept.output)
+        keep = list(range(rows))
+        if self.pruned and rows % self.segments == 0:
+            keep = [r for r in keep if r // (rows // self.segments) not in self.pruned]
+        if len(keep) < rows:
+            index = torch.tensor(keep, device=kept.output.device)
+            saved = [t[index] if row else t for t, row in zip(saved, per_row)]
         if getattr(action, "kind", "retain") == "offload":
             pin = torch.cuda.is_available()
-            saved = [t.to("cpu").pin_memory() if pin and row else t.to("cpu") if row else t
+            saved = [(t.to("cpu").pin_memory() if pin else t.to("cpu")) if row else t
                      for t, row in zip(saved, per_row)]
-        kept.rows = saved
+        position = [-1] * rows
+        for i, r in enumerate(keep):
+            position[r] = i
+        kept.rows = RetainedRows(saved, position)
         kept.nbytes = sum(t.numel() * t.element_size() for t, row in zip(saved, per_row) if row)
 
-    def gradients(self, engine: ReuseEngine, match: Match, cotangent: torch.Tensor) -> list[torch.Tensor]:
-        total = None
-        for program, calls in _by_program(match):
+    def gradients(self, engine: ReuseEngine, match: Match, cotangent: torch.Tensor) -> list[torch.Tensor] | None:
+        device, total = cotangent.device, None
+        for calls in _by_program(match):
             kept0 = calls[0][0]
-            per_row = kept0.rowwise._programs[kept0.key].per_row
-            device = cotangent.device
-            saved = [torch.cat([kept.rows[i][torch.tensor(rows, device=kept.rows[i].device)].to(device)
-                                for kept, rows, _ in calls]) if row else kept0.rows[i]
+            per_row = kept0.rowwise.program_of(kept0.key).per_row
+            rows, positions = [], []
+            for kept, kept_rows, call_positions in calls:
+                for r, p in zip(kept_rows, call_positions):
+                    if kept.rows.position[r] >= 0:
+                        rows.append((kept, kept.rows.position[r]))
+                        positions.append(p)
+                    elif bool(cotangent[p].any()):
+                        return None  # a pruned row receives gradient after all: recompute natively
+            if not rows:
+                continue
+            saved = [torch.stack([kept.rows.saved[i][r] for kept, r in rows]).to(device) if row else kept0.rows.saved[i]
                      for i, row in enumerate(per_row)]
-            positions = torch.tensor([p for _, _, ps in calls for p in ps], device=device)
-            grads = kept0.rowwise.backward(kept0.key, saved, cotangent[positions].contiguous())
+            index = torch.tensor(positions, device=device)
+            grads = kept0.rowwise.backward(kept0.key, saved, cotangent[index].contiguous())
             total = grads if total is None else [a + b for a, b in zip(total, grads)]
-        return total
+        return total if total is not None else [torch.zeros_like(p) for p in engine.trainable(match)]
 
 
-def _by_program(match: Match):
+def _by_program(match: Match) -> list[list]:
     """The match's kept calls grouped by the program that ran them (partial retention compiles one per budget)."""
     groups: dict[tuple, list] = {}
     for kept, rows, positions in match.by_call():
         groups.setdefault((id(kept.rowwise), kept.key), []).append((kept, rows, positions))
-    return list(groups.items())
+    return list(groups.values())

@@ -17,6 +17,7 @@ batch size; the batch-1 partition runs the simplifying passes of :mod:`leancompi
 from __future__ import annotations
 
 import hashlib
+import warnings
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -70,6 +71,10 @@ class RowwiseBackbone:
     @property
     def weights(self) -> list[torch.Tensor]:
         return [*self._params.values(), *self._buffers.values()]
+
+    def program_of(self, key: tuple) -> RowProgram:
+        """The compiled program of row signature ``key``."""
+        return self._programs[key]
 
     def trainable(self, key: tuple) -> list[torch.Tensor]:
         """The parameters whose gradients the backward of program ``key`` returns, in its order."""
@@ -125,7 +130,10 @@ class RowwiseBackbone:
             shared = (self._programs[key[0]].digest, key[1:], self.tune_matmuls,
                       tuple((tuple(t.shape), t.dtype, t.device) for t in leaves))
             if shared not in _TRACES:
-                with torch.autocast(args[1].device.type, enabled=False):
+                # Kernels without a batching rule (the CPU attention backward) trace as one call per row: what
+                # native's backward of those rows computes anyway. PyTorch warns about it; it is expected here.
+                with torch.autocast(args[1].device.type, enabled=False), warnings.catch_warnings():
+                    warnings.filterwarnings("ignore", message="There is a performance drop")
                     gm = make_fx(fn, tracing_mode="fake")(*args)
                 if self.tune_matmuls:
                     order_matrix_products(gm)

@@ -1,0 +1,35 @@
+"""Routing a trainer's backbone calls (``self.backbone(...)``) elsewhere for a while: to a copy on gathered weights,
+to the reuse engine, or to a traced stand-in."""
+from __future__ import annotations
+
+import contextlib
+
+
+@contextlib.contextmanager
+def running(trainer, backbone):
+    """Every backbone call of ``trainer`` runs ``backbone`` for the duration."""
+    original = trainer.backbone
+    trainer.__dict__["backbone"] = backbone
+    try:
+        yield
+    finally:
+        trainer.__dict__["backbone"] = original
+
+
+class CalledAs:
+    """Looks like ``backbone`` (attributes delegate to it) but a call runs ``call``."""
+
+    def __init__(self, backbone, call):
+        self._backbone = backbone
+        self._call = call
+
+    def __call__(self, *args, **kwargs):
+        return self._call(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._backbone, name)
+
+
+def calling(trainer, call):
+    """Route the trainer's backbone calls to ``call`` for the duration."""
+    return running(trainer, CalledAs(trainer.backbone, call))
