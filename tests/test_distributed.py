@@ -136,8 +136,8 @@ def test_data_parallel_step_equals_single_process_native(ranks, case):
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
 def test_one_gradient_sync_per_optimizer_step(ranks, case):
-    """Native syncs in the last backward before each optimizer step; Retain in its backward through the kept
-    graphs, Reweight in its correction: the provisional backwards of the rollout never communicate."""
+    """Every program syncs in the last backward before each optimizer step (a served call's gradients arrive in
+    that backward); the provisional backwards of Reweight's rollout never communicate."""
     # DDP: one all-reduce per bucket (one bucket here). FSDP2: natively one reduce-scatter per sharded module with
     # gradients (the two transformer blocks, where the adapters live); a rewritten step reduce-scatters the
     # gathered gradients of all modules in one.
@@ -151,14 +151,14 @@ def test_one_gradient_sync_per_optimizer_step(ranks, case):
 def test_what_each_engine_runs(ranks):
     results = ranks[0]
     assert results["ddp-retain"]["schedule"] == "retain" and results["ddp-reweight"]["schedule"] == "reweight"
-    assert results["ddp-retain"]["stats"]["reused_micro_steps"] > 0
-    assert results["same-ddp-reweight"]["stats"]["buffer_mode"] == "per-sample"  # groups span the ranks
+    assert results["ddp-retain"]["stats"]["served_calls"] > 0
+    assert results["same-ddp-reweight"]["stats"]["served_calls"] > 0  # groups span the ranks
     assert results["fsdp-retain"]["schedule"] == "retain" and results["fsdp-reweight"]["schedule"] == "reweight"
-    assert results["fsdp-retain"]["stats"]["reused_micro_steps"] > 0
+    assert results["fsdp-retain"]["stats"]["served_calls"] > 0
     # after the first optimizer step the weights differ from the rollout's: the second step's micro-steps recompute
     for parallel in ("ddp", "fsdp"):
         two = results[f"two-steps-{parallel}-retain"]
-        assert two["stats"]["reused_micro_steps"] == two["stats"]["recomputed_micro_steps"] > 0
+        assert two["stats"]["served_calls"] == two["stats"]["recomputed_calls"] > 0
         assert _relative(two["weights"], results[f"two-steps-{parallel}-native"]["weights"]) <= 1e-12
 
 

@@ -87,7 +87,8 @@ def test_the_native_schedule_inserts_and_removes_nothing(tmp_path):
 def test_explain_command_prints_the_plan_and_writes_the_report(tmp_path, capsys):
     assert cli.main(["explain", "--schedule", "reweight", "--out", str(tmp_path)]) == 0
     printed = capsys.readouterr().out
-    assert "leancompile plan: schedule=reweight (requested reweight)" in printed and "correction" in printed
+    assert "leancompile plan: schedule=reweight (requested reweight)" in printed and "reuse:" in printed
     page = (tmp_path / "report.html").read_text()
-    # rollout with the provisional backward collapsed into one box, update, traced rollout, correction
-    assert len(_svgs(page)) == 4 and "provisional backward (Reweight)" in page and "sum_scaled_buffers_0" in page
+    # rollout with the provisional backward collapsed into one box, update, traced rollout, the per-row backbone's
+    # forward and backward
+    assert len(_svgs(page)) == 5 and "provisional backward (Reweight)" in page
