@@ -18,7 +18,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from ..backbones import Conditioning
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from ..runtime.partition import PartitionedBackbone, SavedBytes
+from ..runtime.partition import SavedBytes, partition_saved_bytes
 from .workload import Workload, WorkloadCounter
 
 
@@ -106,7 +106,7 @@ def _measure_call(fake, args, mode) -> _Measured:
     with mode, counter:
         torch.autograd.grad(out, trainable or [args[0]], torch.ones_like(out), allow_unused=True)
     with mode:
-        retained = PartitionedBackbone(fake).saved_bytes(*args)
+        retained = partition_saved_bytes(fake, *args)
     return _Measured(retained, eager.total, sum(block_inputs), forward, counter.workload())
 
 

@@ -30,6 +30,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from ..backbones import Conditioning
 from ..passes.identities import drop_copies_of_unshared_values, drop_multiplications_by_one
+from ..passes.inplace import write_scatters_in_place
 from ..passes.matmul_order import order_matrix_products
 from ..passes.rowwise import prepare_for_rows, random_operators
 from .partition import without_checkpointing
@@ -122,7 +123,7 @@ class RowwiseBackbone:
         absent = len(list(fw.graph.find_nodes(op="placeholder"))) - weights - len(data)
         return RowProgram(fw, bw, trainable, _reads_data(fw, weights), absent, _digest(fw, bw), random)
 
-    def _traced(self, cache: dict, key: tuple, fn, args) -> torch.fx.GraphModule:
+    def _traced(self, cache: dict, key: tuple, fn, args, forward: bool = False) -> torch.fx.GraphModule:
         """``fn`` traced on ``args``; shared by every backbone whose program has the same digest (the weights are
         inputs: two trainers of one architecture trace once)."""
         if key not in cache:
@@ -135,6 +136,8 @@ class RowwiseBackbone:
                 with torch.autocast(args[1].device.type, enabled=False), warnings.catch_warnings():
                     warnings.filterwarnings("ignore", message="There is a performance drop")
                     gm = make_fx(fn, tracing_mode="fake")(*args)
+                if forward:
+                    write_scatters_in_place(gm)
                 if self.tune_matmuls:
                     order_matrix_products(gm)
                 _TRACES[shared] = gm
@@ -156,7 +159,7 @@ class RowwiseBackbone:
             one = lambda *row: tuple(fw(*weights, *[t.unsqueeze(0) for t in row], *absent))
             return torch.vmap(one, out_dims=out_dims)(*data)
 
-        gm = self._traced(self._forwards, (key, x.shape[0]), rows, (self.weights, *data))
+        gm = self._traced(self._forwards, (key, x.shape[0]), rows, (self.weights, *data), forward=True)
         self.forward_graph = gm
         with torch.no_grad(), torch.autocast(x.device.type, enabled=False):
             output, *saved = gm(self.weights, *data)
