@@ -56,7 +56,7 @@ def _engine(trainer, schedule, plan_steps, tune_matmuls: bool) -> ReuseEngine:
     """The engine for ``trainer``'s backbone, with one per-row backbone per activation budget the plan uses."""
     fractions = {a.fraction for a in plan_steps if a.keeps} | {1.0}
     rowwise = {f: RowwiseBackbone(trainer.backbone, f, tune_matmuls=tune_matmuls) for f in sorted(fractions)}
-    return ReuseEngine(trainer.backbone, schedule, rowwise)
+    return ReuseEngine(trainer.backbone, schedule, rowwise, sync=trainer.sync)
 
 
 def optimize(trainer, schedule: str = "auto", memory_budget: float | None = None, strict: bool = False,

@@ -103,11 +103,12 @@ class Schedule:
 class ReuseEngine:
     """Routes the calls of one ``backbone`` (``backbone(x, sigma, cond)``) through kept calls of ``schedule``."""
 
-    def __init__(self, backbone, schedule: Schedule, rowwise: dict[float, RowwiseBackbone]):
+    def __init__(self, backbone, schedule: Schedule, rowwise: dict[float, RowwiseBackbone], sync=None):
         self.backbone = backbone
+        self.sync = sync  # the trainer's gradient sync: FSDP2 gathers the current shards before a call
         self.schedule = schedule
         self.rowwise = rowwise  # one per activation budget (Retain's partial retention)
-        self.reader = StateReader(backbone)
+        self.reader = StateReader(backbone, sync.sources() if sync is not None else ())
         self.log = StepLog()
         self.kept: list[KeptCall] = []
         self._index: dict[tuple, list[tuple[KeptCall, int]]] = {}
@@ -132,6 +133,8 @@ class ReuseEngine:
             self._keeping = None
 
     def __call__(self, x, sigma, cond: Conditioning) -> torch.Tensor:
+        if self.sync is not None:
+            self.sync.gather()
         inputs = call_inputs(x, sigma, cond)
         state = self.reader.read(inputs)
         if self._keeping is not None:

@@ -47,11 +47,12 @@ class CallState:
 class StateReader:
     """Reads :class:`CallState` for one backbone (its module and tensor lists taken once)."""
 
-    def __init__(self, backbone: torch.nn.Module):
+    def __init__(self, backbone: torch.nn.Module, sources: list[torch.Tensor] = ()):
         self.modules = list(backbone.modules())
         self.lora = [m for m in self.modules if hasattr(m, "lora_A")]
         self.parameters = list(backbone.parameters())
         self.tensors = [*self.parameters, *backbone.buffers()]
+        self.sources = list(sources)  # what the weights are copies of (FSDP2 shards): versioned too
 
     def read(self, inputs: tuple[torch.Tensor, ...]) -> CallState:
         device = inputs[0].device.type
@@ -60,7 +61,7 @@ class StateReader:
                     torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None)
         modules = (tuple(m.training for m in self.modules), tuple(bool(m.disable_adapters) for m in self.lora),
                    tuple(p.requires_grad for p in self.parameters))
-        return CallState(signature, autocast, modules, tuple(t._version for t in self.tensors))
+        return CallState(signature, autocast, modules, tuple(t._version for t in (*self.tensors, *self.sources)))
 
     def fingerprint(self) -> torch.Tensor:
         """One float64 number per weight that changes when any element does (a position-weighted sum)."""

@@ -66,6 +66,14 @@ class GradientSync:
     def weights_changed(self) -> None:
         """After an optimizer step: copies of the weights are stale."""
 
+    def gather(self) -> None:
+        """Bring the whole weights a rewritten step runs on up to date (FSDP2: gather the shards)."""
+
+    def sources(self) -> list[torch.Tensor]:
+        """The tensors the optimizer updates when they are not the weights a step runs on (FSDP2: the shards, whose
+        gather into the whole weights moves no version counter)."""
+        return []
+
 
 class DDPSync(GradientSync):
     kind = "ddp"
@@ -154,6 +162,9 @@ class FSDPSync(GradientSync):
             yield self._view
         finally:
             self.release()
+
+    def sources(self):
+        return list(self.shards.values())
 
     def gather(self) -> None:
         if not self.gathered:
