@@ -216,3 +216,20 @@ def test_every_served_call_says_why_and_every_recompute_names_its_reason():
     assert stats["served_calls"] == 2 and stats["recomputed_calls"] == 2  # the second optimizer step's calls
     assert stats["recompute_reasons"] == {"weights": 1, "nothing kept": 1}
     assert all(r.reason for r in fast.last_calls)
+
+
+@pytest.mark.parametrize("schedule", ["retain", "reweight"])
+def test_every_tensor_the_engine_makes_follows_the_trainers_device(schedule):
+    """With the default device set to ``meta``, a tensor made without the trainer's device would be a meta tensor
+    and fail the step loudly: compiling and running a step on the CPU proves none is."""
+    config = FlowGRPOConfig(num_steps=3, timestep_fraction=0.67, group_size=2, train_batch_size=2,
+                            gradient_accumulation_steps=2, guidance_scale=2.0, beta=0.05)
+    trainer = _build(FlowGRPOTrainer, config, mean_reward)
+    torch.set_default_device("meta")
+    try:
+        fast = optimize(trainer, schedule)
+        stats = fast.step([1, 2])
+    finally:
+        torch.set_default_device(None)
+    assert fast.plan.schedule == schedule and stats["served_calls"] > 0
+    assert all(p.device.type == "cpu" for p in fast.trainable)

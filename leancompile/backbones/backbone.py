@@ -179,10 +179,10 @@ class Backbone(torch.nn.Module):
         """
         p = self._param()
         dtype = dtype or p.dtype
-        text = torch.randn((batch, *self.text_shape), generator=generator)
+        text = torch.randn((batch, *self.text_shape), generator=generator, device="cpu")
         pooled = None
         if self.pooled_dim is not None:
-            pooled = torch.randn((batch, self.pooled_dim), generator=generator)
+            pooled = torch.randn((batch, self.pooled_dim), generator=generator, device="cpu")
         return Conditioning(text, pooled).to(device=p.device, dtype=dtype)
 
     def lora_target_modules(self) -> list[str]:

@@ -110,17 +110,18 @@ def _example_inputs(trainer, rows: int):
     """A rollout-shaped example: ``rows`` samples, every step stored, conditioning from the backbone."""
     cfg = trainer.config
     bb = trainer.backbone
-    latents = torch.zeros(rows, cfg.num_steps + 1, *bb.latent_shape, dtype=trainer.dtype)
+    on = dict(dtype=trainer.dtype, device=trainer.device)
+    latents = torch.zeros(rows, cfg.num_steps + 1, *bb.latent_shape, **on)
     cond = bb.dummy_conditioning(rows, generator=torch.Generator().manual_seed(0), dtype=trainer.dtype)
     return {
         "latents": latents,
-        "log_probs": torch.zeros(rows, cfg.num_steps, dtype=trainer.dtype),
+        "log_probs": torch.zeros(rows, cfg.num_steps, **on),
         "cond_text": cond.text,
-        "cond_pooled": cond.pooled if cond.pooled is not None else torch.zeros(rows, 0, dtype=trainer.dtype),
-        "advantages": torch.ones(rows, dtype=trainer.dtype),
-        "rows": torch.arange(rows),
-        "steps": torch.zeros(rows, dtype=torch.long),
-        "noise": torch.zeros(rows, *bb.latent_shape, dtype=trainer.dtype),
+        "cond_pooled": cond.pooled if cond.pooled is not None else torch.zeros(rows, 0, **on),
+        "advantages": torch.ones(rows, **on),
+        "rows": torch.arange(rows, device=trainer.device),
+        "steps": torch.zeros(rows, dtype=torch.long, device=trainer.device),
+        "noise": torch.zeros(rows, *bb.latent_shape, **on),
     }
 
 

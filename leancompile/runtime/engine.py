@@ -217,9 +217,9 @@ class ReuseEngine:
             return None, f"row {len(places)}: no kept call has these inputs", "inputs"
         match = Match(tuple(places))
         for kept, rows, positions in match.by_call():
-            rows, positions = torch.tensor(rows), torch.tensor(positions)
             for mine, theirs in zip(inputs, kept.inputs):
-                if not torch.equal(mine[positions.to(mine.device)], theirs[rows.to(theirs.device)]):
+                here, there = torch.tensor(positions, device=mine.device), torch.tensor(rows, device=theirs.device)
+                if not torch.equal(mine[here], theirs[there]):
                     return None, "inputs equal in digest but not bitwise", "inputs"
         # Once per update phase (the first match served after calls were kept, the rollout's own heads aside):
         # writes through .data move no version counter.

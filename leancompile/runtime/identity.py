@@ -70,7 +70,7 @@ class StateReader:
             flat = t.detach().reshape(-1).double()
             weights = torch.arange(flat.numel(), device=flat.device, dtype=torch.float64).mul_(0.6180339887).sin_()
             sums.append(torch.dot(flat, weights))
-        return torch.stack(sums) if sums else torch.zeros(0)
+        return torch.stack(sums) if sums else torch.zeros(0, device="cpu")
 
 
 def row_keys(inputs: tuple[torch.Tensor, ...]) -> list[tuple]:

@@ -66,7 +66,7 @@ class Reweight(Schedule):
                 basis = basis[:1]
             grads = [kept.rowwise.backward(kept.key, kept.rows, c.to(kept.output.dtype), per_row=True) for c in basis]
             kept.rows = ProvisionalRows(torch.stack(basis, dim=1), [torch.stack(g, dim=1) for g in zip(*grads)],
-                                        torch.zeros(len(kept.output), dtype=torch.bool))  # host-side flags
+                                        torch.zeros(len(kept.output), dtype=torch.bool, device="cpu"))  # host flags
             nbytes = sum(t.numel() * t.element_size() for t in (kept.rows.cotangents, *kept.rows.gradients))
             engine._count(nbytes - kept.nbytes)
             kept.nbytes = nbytes

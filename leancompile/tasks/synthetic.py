@@ -20,16 +20,16 @@ class RandomPrompts:
         self.table = backbone.dummy_conditioning(num, generator=torch.Generator().manual_seed(seed))
 
     def __call__(self, prompts) -> Conditioning:
-        return self.table.index(torch.as_tensor(list(prompts)))
+        return self.table.index(torch.as_tensor(list(prompts), device=self.table.text.device))
 
     @property
     def uncond(self) -> Conditioning:
-        return self.table.index(torch.tensor([0]))
+        return self.table.index(torch.tensor([0], device=self.table.text.device))
 
 
 def latent_reward(samples: torch.Tensor, prompts) -> torch.Tensor:
     """``mean(x) * (prompt + 1) + std(x)``: deterministic, prompt-dependent, different for every sample."""
-    scale = torch.tensor([1.0 + float(p) for p in prompts])
+    scale = torch.tensor([1.0 + float(p) for p in prompts], device=samples.device)
     flat = samples.flatten(1)
     return flat.mean(1) * scale + flat.std(1)
 

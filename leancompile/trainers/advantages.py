@@ -6,7 +6,7 @@ import torch
 
 def check_rewards(rewards: torch.Tensor, num_samples: int) -> torch.Tensor:
     """Rewards as a float (B,) tensor; a NaN or infinite reward raises naming the sample."""
-    rewards = torch.as_tensor(rewards)
+    rewards = torch.as_tensor(rewards, device=rewards.device if isinstance(rewards, torch.Tensor) else "cpu")
     if rewards.shape != (num_samples,):
         raise ValueError(
             f"reward_fn must return a tensor of shape ({num_samples},), one reward per sample; got {tuple(rewards.shape)}"

@@ -229,16 +229,16 @@ class GRPOTrainer:
         """Which steps are stochastic; with an SDE window, its start is drawn from the ``steps`` generator."""
         cfg = self.config
         if cfg.sde_window_size == 0:
-            return torch.ones(cfg.num_steps, dtype=torch.bool)
+            return torch.ones(cfg.num_steps, dtype=torch.bool, device="cpu")
         lo, hi = cfg.window_range
-        start = int(torch.randint(lo, hi - cfg.sde_window_size + 1, (1,), generator=self.generators["steps"]))
-        mask = torch.zeros(cfg.num_steps, dtype=torch.bool)
+        start = int(torch.randint(lo, hi - cfg.sde_window_size + 1, (1,), generator=self.generators["steps"], device="cpu"))
+        mask = torch.zeros(cfg.num_steps, dtype=torch.bool, device="cpu")
         mask[start:start + cfg.sde_window_size] = True
         return mask
 
     def draw_noise(self, shape) -> torch.Tensor:
         # Drawn in float32 on the CPU whatever the run's dtype and device, so trajectories match across them.
-        return torch.randn(shape, generator=self.generators["noise"]).to(self.device, self.dtype)
+        return torch.randn(shape, generator=self.generators["noise"], device="cpu").to(self.device, self.dtype)
 
     def rollout(self, prompts: Sequence) -> Rollout:
         cfg = self.config
@@ -305,16 +305,16 @@ class GRPOTrainer:
         cfg = self.config
         k, num = cfg.num_trained_steps, num_samples
         if cfg.trained_steps == "random":
-            perms = [torch.randperm(cfg.num_steps, generator=self.generators["steps"])[:k] for _ in range(num)]
+            perms = [torch.randperm(cfg.num_steps, generator=self.generators["steps"], device="cpu")[:k] for _ in range(num)]
             return torch.stack(perms)
-        steps = sde_steps.nonzero().flatten() if cfg.trained_steps == "window" else torch.arange(k)
+        steps = sde_steps.nonzero().flatten() if cfg.trained_steps == "window" else torch.arange(k, device="cpu")
         return steps[:k].expand(num, k).clone()
 
     def micro_batches(self, advantages: torch.Tensor) -> list[torch.Tensor]:
         """This epoch's shuffled micro-batches of sample indices (zero-advantage samples dropped if configured)."""
         cfg = self.config
-        kept = (advantages != 0).nonzero().flatten().cpu() if cfg.drop_zero_advantages else torch.arange(len(advantages))
-        order = kept[torch.randperm(len(kept), generator=self.generators["shuffle"])]
+        kept = (advantages != 0).nonzero().flatten().cpu() if cfg.drop_zero_advantages else torch.arange(len(advantages), device="cpu")
+        order = kept[torch.randperm(len(kept), generator=self.generators["shuffle"], device="cpu")]
         return list(order.split(cfg.train_batch_size)) if len(order) else []
 
     def micro_step(self, rollout: Rollout, advantages: torch.Tensor, rows: torch.Tensor, steps: torch.Tensor) -> MicroStep:

@@ -123,6 +123,7 @@ class FSDPSync(GradientSync):
                 fully_shard(block)
         fully_shard(backbone)
         self.root = backbone
+        self.root_device = next(backbone.parameters()).device
         self.sharded_modules = [m for m in backbone.modules() if isinstance(m, FSDPModule)]
         for module in self.sharded_modules:
             module.set_custom_reduce_scatter(CountedReduceScatter())
@@ -195,7 +196,7 @@ class FSDPSync(GradientSync):
             grad[:p.shape[0]] = p.grad
             padded.append(grad.view(self.world_size, -1))
         # row k: rank k's chunk of every gradient (every rank joins the collective, with or without gradients)
-        flat = torch.cat(padded, dim=1) if padded else torch.zeros(self.world_size, 0)
+        flat = torch.cat(padded, dim=1) if padded else torch.zeros(self.world_size, 0, device=self.root_device)
         mine = flat.new_empty(flat.shape[1])
         dist.reduce_scatter_tensor(mine, flat.flatten())
         self.collectives += 1

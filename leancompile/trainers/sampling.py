@@ -25,7 +25,7 @@ class StepResult:
 
 def shifted_sigmas(num_steps: int, shift: float, dtype=torch.float64) -> torch.Tensor:
     """``shift * s / (1 + (shift - 1) s)`` over ``linspace(1, 0, num_steps + 1)``: num_steps + 1 values from 1 to 0."""
-    s = torch.linspace(1.0, 0.0, num_steps + 1, dtype=torch.float64)
+    s = torch.linspace(1.0, 0.0, num_steps + 1, dtype=torch.float64, device="cpu")
     return (shift * s / (1 + (shift - 1) * s)).to(dtype)
 
 
