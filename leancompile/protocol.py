@@ -27,6 +27,13 @@ Methods:
         (``GRPOTrainer``'s does); Reweight then runs the reference once per trained sample and step.
     update(rollout, advantages), backward(loss, sync), optimizer_step(): the update, its backward (``sync``: the
         last before an optimizer step, which completes the gradient across ranks) and optimizer step.
+    generators, optional: a dict of ``torch.Generator``; the optimized trainer copies their states to predict epoch
+        0's trained steps before the rollout and restores them, so the update draws the same numbers itself.
+
+What the optimized trainer reads at run time is only this: it keeps the rollout's calls at the predicted trained
+steps (``sde_mask``, ``trained_step_schedule``, ``rollout_velocity``), runs ``micro_step_loss`` on them for Reweight
+(``rollout_step``, ``sigmas``), and verifies every ``backbone`` call by content; the reward function, the
+advantages and the config's batching are never read to decide a reuse.
 """
 from __future__ import annotations
 

@@ -10,7 +10,8 @@ def test_demo_writes_metrics_curve_and_grids(tmp_path):
     native, retain = metrics["schedules"]["native"], metrics["schedules"]["retain"]
     assert [r["step"] for r in native] == [r["step"] for r in retain] == [1, 2]
     assert all(0 <= r["reward_mean"] <= 1 and r["step_seconds"] > 0 for r in native + retain)
-    # same seed, same rollout: the first step's reward is identical; retain only changes how the update runs
-    assert native[0]["reward_mean"] == retain[0]["reward_mean"]
+    # same seed, same rollout: the first step's rewards agree to float32 rounding (Retain's rollout runs its trained
+    # steps through the per-row program, whose kernels round differently from the batched eager ones)
+    assert abs(native[0]["reward_mean"] - retain[0]["reward_mean"]) <= 1e-6
     for name in ("reward.png", "samples-before.png", "samples-after.png"):
         assert (tmp_path / name).stat().st_size > 1000

@@ -26,6 +26,7 @@ from functorch.compile import make_boxed_func
 from torch._functorch import config as functorch_config
 from torch._functorch.aot_autograd import aot_function
 from torch._functorch.partitioners import min_cut_rematerialization_partition
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from ..backbones import Conditioning
@@ -104,13 +105,16 @@ class RowwiseBackbone:
 
         compiled = aot_function(forward, fw_compiler=keep("forward"), bw_compiler=keep("backward"),
                                 partition_fn=min_cut_rematerialization_partition)
-        data = [t.detach() for t in (x, sigma, cond.text, cond.pooled) if t is not None]
-        with without_checkpointing(backbone.model), torch.enable_grad(), \
+        # Traced on fake copies: compiling computes nothing and touches no parameter's .grad.
+        fake = FakeTensorMode(allow_non_fake_inputs=True)
+        params = {n: fake.from_tensor(p) for n, p in self._params.items()}
+        buffers = {n: fake.from_tensor(b) for n, b in self._buffers.items()}
+        data = [fake.from_tensor(t.detach()) for t in (x, sigma, cond.text, cond.pooled) if t is not None]
+        with fake, without_checkpointing(backbone.model), torch.enable_grad(), \
                 functorch_config.patch(activation_memory_budget=self.memory_budget):
-            out = compiled(self._params, self._buffers, *data[:3], data[3] if len(data) > 3 else None)
-            # Compiles the backward graph; through autograd.grad, so no parameter's .grad is touched.
-            torch.autograd.grad(out, [p for p in self._params.values() if p.requires_grad], torch.zeros_like(out),
-                                allow_unused=True)
+            out = compiled(params, buffers, *data[:3], data[3] if len(data) > 3 else None)
+            torch.autograd.grad(out, [p for p in params.values() if p.requires_grad], torch.zeros_like(out),
+                                allow_unused=True)  # compiles the backward graph
         fw, bw = graphs["forward"], graphs["backward"]
         random = tuple(random_operators(fw))
         for gm in (fw, bw):
