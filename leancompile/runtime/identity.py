@@ -9,11 +9,18 @@ through ``.data`` (which bump no version counter). Random operators are refused 
 """
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 
 import torch
 
 from ..backbones import Conditioning
+
+
+_TRAINING = operator.attrgetter("training")
+_ADAPTERS_OFF = operator.attrgetter("disable_adapters")
+_REQUIRES_GRAD = operator.attrgetter("requires_grad")
+_VERSION = operator.attrgetter("_version")
 
 
 def call_inputs(x, sigma, cond: Conditioning) -> tuple[torch.Tensor, ...]:
@@ -52,25 +59,25 @@ class StateReader:
         self.lora = [m for m in self.modules if hasattr(m, "lora_A")]
         self.parameters = list(backbone.parameters())
         self.tensors = [*self.parameters, *backbone.buffers()]
-        self.sources = list(sources)  # what the weights are copies of (FSDP2 shards): versioned too
+        # What the weights are copies of (FSDP2 shards) is versioned too.
+        self.versioned = [*self.tensors, *sources]
 
     def read(self, inputs: tuple[torch.Tensor, ...]) -> CallState:
         device = inputs[0].device.type
         signature = tuple((tuple(t.shape[1:]), t.dtype, t.device) for t in inputs)
         autocast = (torch.is_autocast_enabled(device),
                     torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None)
-        modules = (tuple(m.training for m in self.modules), tuple(bool(m.disable_adapters) for m in self.lora),
-                   tuple(p.requires_grad for p in self.parameters))
-        return CallState(signature, autocast, modules, tuple(t._version for t in (*self.tensors, *self.sources)))
+        modules = (tuple(map(_TRAINING, self.modules)), tuple(map(_ADAPTERS_OFF, self.lora)),
+                   tuple(map(_REQUIRES_GRAD, self.parameters)))
+        return CallState(signature, autocast, modules, tuple(map(_VERSION, self.versioned)))
 
     def fingerprint(self) -> torch.Tensor:
-        """One float64 number per weight that changes when any element does (a position-weighted sum)."""
-        sums = []
-        for t in self.tensors:
-            flat = t.detach().reshape(-1).double()
-            weights = torch.arange(flat.numel(), device=flat.device, dtype=torch.float64).mul_(0.6180339887).sin_()
-            sums.append(torch.dot(flat, weights))
-        return torch.stack(sums) if sums else torch.zeros(0, device="cpu")
+        """Each weight's norm, one fused pass over all of them: it moves when a write through ``.data`` changes
+        a weight (a write that keeps a whole tensor's norm, such as a permutation, would not show)."""
+        tensors = [t.detach() for t in self.tensors if t.numel()]
+        if not tensors:
+            return torch.zeros(0, device="cpu")
+        return torch.stack(torch._foreach_norm(tensors))
 
 
 def row_keys(inputs: tuple[torch.Tensor, ...]) -> list[tuple]:
@@ -80,8 +87,11 @@ def row_keys(inputs: tuple[torch.Tensor, ...]) -> list[tuple]:
     columns = []
     for t in inputs:
         flat = t.detach().reshape(t.shape[0], -1)
-        # A fresh row-major copy: a broadcast sigma (stride 0) cannot be viewed as bytes.
-        data = flat.new_empty(flat.shape).copy_(flat).view(torch.uint8).to(torch.int64)
+        # A fresh row-major copy (a broadcast sigma, stride 0, cannot be reinterpreted), read as 32-bit words where
+        # the row's bytes allow.
+        words = flat.new_empty(flat.shape).copy_(flat).view(torch.uint8)
+        words = words.view(torch.int32) if words.shape[1] % 4 == 0 else words
+        data = words.to(torch.int64)
         weights = torch.arange(data.shape[1], device=data.device, dtype=torch.int64).mul_(2654435761).remainder_(
             2**31).add_(1)
         columns.append(data @ weights if data.device.type != "cpu" else (data * weights).sum(1))
