@@ -160,6 +160,8 @@ class RowwiseBackbone:
 
         def rows(weights, *data):
             absent = [None] * program.absent
+            if x.shape[0] == 1:  # the one-row program as it is: a row dimension in front, no vmap
+                return tuple(o if d is None else o.unsqueeze(0) for o, d in zip(fw(*weights, *data, *absent), out_dims))
             one = lambda *row: tuple(fw(*weights, *[t.unsqueeze(0) for t in row], *absent))
             return torch.vmap(one, out_dims=out_dims)(*data)
 
@@ -178,6 +180,9 @@ class RowwiseBackbone:
 
         def rows(saved, cotangent):
             one = lambda *a: tuple(g for g in bw(*a[:-1], a[-1].unsqueeze(0)) if g is not None)
+            if cotangent.shape[0] == 1:  # one row: its program as it is, no vmap
+                grads = one(*(t if d is None else t.squeeze(0) for t, d in zip(saved, in_dims)), cotangent[0])
+                return [g.unsqueeze(0) for g in grads] if per_row else list(grads)
             grads = torch.vmap(one, in_dims=in_dims)(*saved, cotangent)
             return list(grads) if per_row else [g.sum(0) for g in grads]
 
