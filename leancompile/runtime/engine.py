@@ -46,8 +46,19 @@ class Match:
 
     places: tuple[tuple[KeptCall, int], ...]
 
-    def gather(self, attribute: str = "output") -> torch.Tensor:
-        return torch.stack([getattr(kept, attribute)[row] for kept, row in self.places])
+    def gather(self) -> torch.Tensor:
+        """The kept output values of this call's rows, in its row order (one index per kept call)."""
+        groups = self.by_call()
+        if len(groups) == 1 and groups[0][2] == list(range(len(self.places))):
+            kept, rows, _ = groups[0]
+            return kept.output[torch.tensor(rows, device=kept.output.device)]
+        out = None
+        for kept, rows, positions in groups:
+            values = kept.output[torch.tensor(rows, device=kept.output.device)]
+            if out is None:
+                out = values.new_empty((len(self.places), *values.shape[1:]))
+            out[torch.tensor(positions, device=out.device)] = values
+        return out
 
     def by_call(self):
         """``(kept call, its rows, positions in this call)`` for each kept call involved."""

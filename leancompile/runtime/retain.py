@@ -54,17 +54,20 @@ class Retain(Schedule):
         for calls in _by_program(match):
             kept0 = calls[0][0]
             per_row = kept0.rowwise.program_of(kept0.key).per_row
-            rows, positions = [], []
+            parts, positions = [], []  # per kept call: the rows of its saved tensors, and where they sit in the call
             for kept, kept_rows, call_positions in calls:
-                for r, p in zip(kept_rows, call_positions):
-                    if kept.rows.position[r] >= 0:
-                        rows.append((kept, kept.rows.position[r]))
-                        positions.append(p)
-                    elif bool(cotangent[p].any()):
-                        return None  # a pruned row receives gradient after all: recompute natively
-            if not rows:
+                held = [(kept.rows.position[r], p) for r, p in zip(kept_rows, call_positions)]
+                pruned = [p for r, p in held if r < 0]
+                if pruned and bool(cotangent[torch.tensor(pruned, device=device)].any()):
+                    return None  # a pruned row receives gradient after all: recompute natively
+                held = [(r, p) for r, p in held if r >= 0]
+                if held:
+                    parts.append((kept, [r for r, _ in held]))
+                    positions += [p for _, p in held]
+            if not parts:
                 continue
-            saved = [torch.stack([kept.rows.saved[i][r] for kept, r in rows]).to(device) if row else kept0.rows.saved[i]
+            saved = [torch.cat([kept.rows.saved[i][torch.tensor(rows, device=kept.rows.saved[i].device)]
+                                for kept, rows in parts]).to(device) if row else kept0.rows.saved[i]
                      for i, row in enumerate(per_row)]
             index = torch.tensor(positions, device=device)
             grads = kept0.rowwise.backward(kept0.key, saved, cotangent[index].contiguous())

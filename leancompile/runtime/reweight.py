@@ -82,9 +82,11 @@ class Reweight(Schedule):
         return None
 
     def gradients(self, engine: ReuseEngine, match: Match, cotangent: torch.Tensor) -> list[torch.Tensor] | None:
-        basis = torch.stack([kept.rows.cotangents[row] for kept, row in match.places]).double()
-        basis = basis.flatten(2)  # (rows, k, n)
-        g = cotangent.double().flatten(1)  # (rows, n)
+        groups = [(kept.rows, torch.tensor(rows, device=cotangent.device), torch.tensor(positions, device=cotangent.device))
+                  for kept, rows, positions in match.by_call()]
+        order = torch.cat([positions for _, _, positions in groups])  # this call's rows, grouped by kept call
+        basis = torch.cat([rows.cotangents[index] for rows, index, _ in groups]).double().flatten(2)  # (rows, k, n)
+        g = cotangent[order].double().flatten(1)  # (rows, n)
         gram = basis @ basis.transpose(1, 2)
         coefficients = (torch.linalg.pinv(gram) @ (basis @ g.unsqueeze(2))).squeeze(2)  # (rows, k)
         residual = g - (coefficients.unsqueeze(2) * basis).sum(1)
@@ -92,7 +94,7 @@ class Reweight(Schedule):
         if not bool((residual.norm(dim=1) <= bound).all()):
             return None
         grads = []
-        for i in range(len(match.places[0][0].rows.gradients)):
-            rows = torch.stack([kept.rows.gradients[i][row] for kept, row in match.places])  # (rows, k, *shape)
+        for i in range(len(groups[0][0].gradients)):
+            rows = torch.cat([provisional.gradients[i][index] for provisional, index, _ in groups])  # (rows, k, *shape)
             grads.append(torch.einsum("rk,rk...->...", coefficients.to(rows.dtype), rows))
         return grads
