@@ -175,6 +175,8 @@ def measure_case(case: Case, repetitions: int, schedules: tuple[str, ...] = ("re
                "offloaded_bytes": s.get("offloaded_bytes", 0),
                "served_calls": s["served_calls"],
                "recomputed_calls": s["recomputed_calls"],
+               # the run-time verification's share of the last timed step (state reads, row digests, lookups)
+               "check_fraction": s.get("check_seconds", 0.0) / times[source][-1].wall,
                "repetitions": repetitions,
                "max_rel_weight_diff": max_rel_weight_diff(native, optimized),
                "parameters": sum(p.numel() for p in native.backbone.parameters()),

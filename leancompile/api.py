@@ -176,7 +176,7 @@ def _compile(trainer, programs, requested: str, memory_budget, strict: bool, bud
         steps = _steps(config, "reweight")
         plan = Plan("reweight", requested, steps, REUSE_RULE, description, "nothing", findings,
                     _describe_linearity(linearity), BUFFERS, choice, cost)
-        return plan, graphs, _engine(trainer, Reweight(), steps, tune_matmuls)
+        return plan, graphs, _engine(trainer, Reweight(bool(linearity.advantage_free)), steps, tune_matmuls)
     need = passes.prune_gradient_need(programs.update, pair[0], shared.layout.segments)
     rewritten = passes.rewrite_for_retain(programs.rollout, programs.update, pair)
     graphs = {"rollout": rewritten.rollout, "update": rewritten.update,

@@ -93,7 +93,7 @@ class Optimized:
 
     def _provisional(self, step, rows, x, x_next, log_prob, cond) -> None:
         """Reweight: the trainer's own loss head on this step's kept output for the rows that train it, at
-        provisional advantages 1 and 0."""
+        the schedule's provisional advantages."""
         trained = (self._predicted[rows.cpu()] == step).any(dim=1).nonzero().flatten().to(x.device)
         sigmas = self.sigmas
 
@@ -105,8 +105,9 @@ class Optimized:
                               advantages=torch.full((len(trained),), advantage, dtype=x.dtype, device=x.device))
             return lambda: super(Optimized, self).micro_step_loss(micro)[0]
 
+        schedule = self._engine.schedule
         with torch.enable_grad():
-            self._engine.schedule.provisional(self._engine, list(self._kept_now), [head(1.0), head(0.0)])
+            schedule.provisional(self._engine, list(self._kept_now), [head(a) for a in schedule.advantages])
 
     def optimizer_step(self):
         super().optimizer_step()

@@ -17,6 +17,7 @@ weights that have since changed can never match again and are freed.
 from __future__ import annotations
 
 import contextlib
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -130,6 +131,7 @@ class ReuseEngine:
         self._checked = True
         self.held_bytes = 0
         self.peak_bytes = 0
+        self.check_seconds = 0.0  # spent reading states, digesting rows, looking up and verifying this step
 
     # ------------------------------------------------------------------------------------------ keeping
 
@@ -146,11 +148,13 @@ class ReuseEngine:
     def __call__(self, x, sigma, cond: Conditioning) -> torch.Tensor:
         if self.sync is not None:
             self.sync.gather()
+        start = time.perf_counter()
         inputs = call_inputs(x, sigma, cond)
-        state = self.reader.read(inputs)
         if self._keeping is not None:
-            return self._keep(x, sigma, cond, inputs, state)
-        match, reason, kind = self._lookup(inputs, state)
+            return self._keep(x, sigma, cond, inputs, self.reader.read(inputs), start)
+        keys = row_keys(inputs) if self.kept or self._leaves is not None else None
+        match, reason, kind = self._lookup(inputs, keys)
+        self.check_seconds += time.perf_counter() - start
         if match is not None and self._leaves is not None and torch.is_grad_enabled():
             leaf = match.gather().requires_grad_()  # a provisional head differentiates the kept output
             self._leaves.append((match, leaf))
@@ -170,12 +174,16 @@ class ReuseEngine:
                 return _Served.apply(self, match, (x, sigma, cond), record, *self.trainable(match))
         output = self.backbone(x, sigma, cond)
         if self._leaves is not None and not torch.is_grad_enabled():
-            self._remember(state, inputs, output.detach())  # e.g. a KL reference the update will ask for again
+            # e.g. a KL reference the update will ask for again
+            start = time.perf_counter()
+            self._remember(self.reader.read(inputs), inputs, output.detach(), keys=keys)
+            self.check_seconds += time.perf_counter() - start
         elif torch.is_grad_enabled():
             self.log.records.append(CallRecord("recomputed", inputs[0].shape[0], reason, kind))
         return output
 
-    def _keep(self, x, sigma, cond, inputs, state) -> torch.Tensor:
+    def _keep(self, x, sigma, cond, inputs, state, start: float) -> torch.Tensor:
+        """Run the call through the per-row backbone and keep it (``start``: when its checks began)."""
         action = self._keeping
         rowwise = self.rowwise[getattr(action, "fraction", 1.0)]
         key = state.compile_key
@@ -186,8 +194,11 @@ class ReuseEngine:
             return self.backbone(x, sigma, cond)
         if self._fingerprint is None:
             self._fingerprint = self.reader.fingerprint()
+        self.check_seconds += time.perf_counter() - start
         output, saved = rowwise.forward(key, x, sigma, cond)
+        start = time.perf_counter()
         kept = self._remember(state, inputs, output, rowwise, key)
+        self.check_seconds += time.perf_counter() - start
         self.schedule.keep(self, kept, saved, action)
         self._count(kept.nbytes)
         self._checked = False
@@ -195,23 +206,28 @@ class ReuseEngine:
         self.log.records.append(CallRecord("kept", len(x), str(getattr(action, "kind", action))))
         return output
 
-    def _remember(self, state, inputs, output, rowwise=None, key=()) -> KeptCall:
+    def _remember(self, state, inputs, output, rowwise=None, key=(), keys=None) -> KeptCall:
         kept = KeptCall(state, tuple(t.detach() for t in inputs), output, rowwise, key)
         self.kept.append(kept)
-        for row, key in enumerate(row_keys(inputs)):
-            self._index.setdefault(key, []).append((kept, row))
+        for row, digest in enumerate(keys if keys is not None else row_keys(inputs)):
+            self._index.setdefault(digest, []).append((kept, row))
         return kept
 
     # ------------------------------------------------------------------------------------------ serving
 
-    def _lookup(self, inputs, state: CallState) -> tuple[Match | None, str, str]:
-        """The kept rows that verifiably recompute this call's rows, or why not (reason, kind)."""
+    def _lookup(self, inputs, keys) -> tuple[Match | None, str, str]:
+        """The kept rows that verifiably recompute this call's rows (row digests ``keys``), or why not (reason,
+        kind). The call's state is read only once every row has a candidate."""
         if not self.kept:
             return None, "nothing kept", "nothing kept"
+        candidates = [self._index.get(key, ()) for key in keys]
+        if not all(candidates):
+            return None, f"row {candidates.index(())}: no kept call has these inputs", "inputs"
+        state = self.reader.read(inputs)
         places, differences = [], Counter()
-        for row, key in enumerate(row_keys(inputs)):
+        for kept_rows in candidates:
             found = None
-            for kept, kept_row in self._index.get(key, ()):
+            for kept, kept_row in kept_rows:
                 difference = kept.state.difference(state)
                 if difference is None:
                     found = (kept, kept_row)
@@ -221,17 +237,14 @@ class ReuseEngine:
                 break
             places.append(found)
         self._drop_stale(state)
-        if len(places) < inputs[0].shape[0]:
-            if differences:
-                kind = differences.most_common(1)[0][0]
-                return None, f"the kept call with these inputs differs in {kind}", kind
-            return None, f"row {len(places)}: no kept call has these inputs", "inputs"
+        if len(places) < len(keys):
+            kind = differences.most_common(1)[0][0]
+            return None, f"the kept call with these inputs differs in {kind}", kind
         match = Match(tuple(places))
         for kept, rows, positions in match.by_call():
-            for mine, theirs in zip(inputs, kept.inputs):
-                here, there = torch.tensor(positions, device=mine.device), torch.tensor(rows, device=theirs.device)
-                if not torch.equal(mine[here], theirs[there]):
-                    return None, "inputs equal in digest but not bitwise", "inputs"
+            here, there = _Rows(positions, len(keys)), _Rows(rows, len(kept.output))
+            if not all(torch.equal(here.of(mine), there.of(theirs)) for mine, theirs in zip(inputs, kept.inputs)):
+                return None, "inputs equal in digest but not bitwise", "inputs"
         # Once per update phase (the first match served after calls were kept, the rollout's own heads aside):
         # writes through .data move no version counter.
         if not self._checked and self._leaves is None:
@@ -284,10 +297,25 @@ class ReuseEngine:
         self._fingerprint, self._checked = None, True
 
     def end_step(self) -> dict:
-        stats = {**self.log.stats(), self.schedule.held: self.peak_bytes}
+        stats = {**self.log.stats(), self.schedule.held: self.peak_bytes, "check_seconds": self.check_seconds}
         self.release()
-        self.log, self.peak_bytes = StepLog(), 0
+        self.log, self.peak_bytes, self.check_seconds = StepLog(), 0, 0.0
         return stats
+
+
+class _Rows:
+    """Rows of tensors that have ``total`` rows: an index made once per device, none where they are all, in order."""
+
+    def __init__(self, rows: list[int], total: int):
+        self.rows = None if rows == list(range(total)) else rows
+        self.index: dict = {}
+
+    def of(self, t: torch.Tensor) -> torch.Tensor:
+        if self.rows is None:
+            return t
+        if t.device not in self.index:
+            self.index[t.device] = torch.tensor(self.rows, device=t.device)
+        return t[self.index[t.device]]
 
 
 class _Served(torch.autograd.Function):

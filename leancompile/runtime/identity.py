@@ -9,6 +9,7 @@ through ``.data`` (which bump no version counter). Random operators are refused 
 """
 from __future__ import annotations
 
+import functools
 import operator
 from dataclasses import dataclass
 
@@ -17,7 +18,7 @@ import torch
 from ..backbones import Conditioning
 
 
-_TRAINING = operator.attrgetter("training")
+_TRAINING = operator.itemgetter("training")
 _ADAPTERS_OFF = operator.attrgetter("disable_adapters")
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
 _VERSION = operator.attrgetter("_version")
@@ -56,6 +57,9 @@ class StateReader:
 
     def __init__(self, backbone: torch.nn.Module, sources: list[torch.Tensor] = ()):
         self.modules = list(backbone.modules())
+        # Each module's flag read from its instance dict: an attribute lookup walks the class's whole MRO whenever
+        # the interpreter's type cache has been evicted (it is, by a backbone call), several times the cost.
+        self.flags = [m.__dict__ for m in self.modules]
         self.lora = [m for m in self.modules if hasattr(m, "lora_A")]
         self.parameters = list(backbone.parameters())
         self.tensors = [*self.parameters, *backbone.buffers()]
@@ -67,7 +71,7 @@ class StateReader:
         signature = tuple((tuple(t.shape[1:]), t.dtype, t.device) for t in inputs)
         autocast = (torch.is_autocast_enabled(device),
                     torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None)
-        modules = (tuple(map(_TRAINING, self.modules)), tuple(map(_ADAPTERS_OFF, self.lora)),
+        modules = (tuple(map(_TRAINING, self.flags)), tuple(map(_ADAPTERS_OFF, self.lora)),
                    tuple(map(_REQUIRES_GRAD, self.parameters)))
         return CallState(signature, autocast, modules, tuple(map(_VERSION, self.versioned)))
 
@@ -81,18 +85,22 @@ class StateReader:
 
 
 def row_keys(inputs: tuple[torch.Tensor, ...]) -> list[tuple]:
-    """A hashable digest of each row's inputs: a weighted sum of the row's bytes in integers, exact whatever the
-    batch it sits in (a float reduction would round differently in a batch of 4 than alone). Equal rows give equal
-    digests; a match is then checked bitwise."""
-    columns = []
-    for t in inputs:
-        flat = t.detach().reshape(t.shape[0], -1)
-        # A fresh row-major copy (a broadcast sigma, stride 0, cannot be reinterpreted), read as 32-bit words where
-        # the row's bytes allow.
-        words = flat.new_empty(flat.shape).copy_(flat).view(torch.uint8)
-        words = words.view(torch.int32) if words.shape[1] % 4 == 0 else words
-        data = words.to(torch.int64)
-        weights = torch.arange(data.shape[1], device=data.device, dtype=torch.int64).mul_(2654435761).remainder_(
-            2**31).add_(1)
-        columns.append((data * weights).sum(1))  # elementwise: CUDA has no integer matrix product
-    return [tuple(row) for row in torch.stack(columns, dim=1).tolist()]
+    """A hashable digest of each row's inputs: a weighted sum of the row's 32-bit words in integers, exact whatever
+    the batch it sits in (a float reduction would round differently in a batch of 4 than alone). Equal rows give
+    equal digests; a match is then checked bitwise."""
+    words = torch.cat([_words(t) for t in inputs], dim=1).to(torch.int64)
+    return [tuple(row) for row in (words * _weights(words.shape[1], words.device)).sum(1, keepdim=True).tolist()]
+
+
+def _words(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s rows as 32-bit words (bytes widened where a row's size is not a multiple of 4)."""
+    flat = t.detach().reshape(t.shape[0], -1)
+    # A fresh row-major copy: a broadcast sigma (stride 0) cannot be reinterpreted.
+    data = flat.new_empty(flat.shape).copy_(flat).view(torch.uint8)
+    return data.view(torch.int32) if data.shape[1] % 4 == 0 else data.to(torch.int32)
+
+
+@functools.lru_cache(maxsize=64)
+def _weights(n: int, device: torch.device) -> torch.Tensor:
+    # Elementwise product and sum: CUDA has no integer matrix product.
+    return torch.arange(n, device=device, dtype=torch.int64).mul_(2654435761).remainder_(2**31).add_(1)

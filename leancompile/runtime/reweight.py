@@ -36,6 +36,11 @@ class Reweight(Schedule):
     name = "reweight"
     held = "buffer_bytes"
 
+    def __init__(self, advantage_free: bool = True):
+        # The provisional advantages the heads run at: 0 as well only where the traced loss has advantage-free
+        # terms. A loop whose loss has them after all gets cotangents outside the span, which recompute.
+        self.advantages = (1.0, 0.0) if advantage_free else (1.0,)
+
     def keep(self, engine: ReuseEngine, kept: KeptCall, saved: list[torch.Tensor], action) -> None:
         kept.rows = saved  # until its provisional heads have run
 
