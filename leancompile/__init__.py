@@ -1,5 +1,6 @@
 """leancompile: removes the redundant backbone forward of GRPO post-training for flow transformers."""
 from .api import optimize
 from .plan import Plan, StepAction
+from .wrap import Wrapped, wrap
 
-__all__ = ["Plan", "StepAction", "optimize"]
+__all__ = ["Plan", "StepAction", "Wrapped", "optimize", "wrap"]

@@ -129,7 +129,8 @@ def test_a_batch_dependent_reward_stays_exact():
 def test_per_row_gradients_of_every_parameter_match_one_backward_per_row(lora):
     """One backward of the per-row backbone gives every row's gradient of every trainable parameter (LoRA's, and
     in full fine-tuning norms, biases, embeddings and the patch embedding too)."""
-    from leancompile.runtime.identity import StateReader, call_inputs
+    from leancompile.runtime.calls import Call
+    from leancompile.runtime.identity import StateReader
     from leancompile.runtime.rowwise import RowwiseBackbone
 
     trainer = _build("flux", FlowGRPOConfig(dtype="float64", lora_rank=lora))
@@ -138,8 +139,9 @@ def test_per_row_gradients_of_every_parameter_match_one_backward_per_row(lora):
     sigma = torch.rand(5, dtype=torch.float64)
     cond = trainer.encode([1, 2, 3, 1, 2]).to(dtype=torch.float64)
     rowwise = RowwiseBackbone(backbone)
-    key = StateReader(backbone).read(call_inputs(x, sigma, cond)).compile_key
-    out, saved = rowwise.forward(key, x, sigma, cond)
+    call = Call.of((x, sigma, cond), {})
+    key = StateReader(backbone).read(call).compile_key
+    out, saved = rowwise.forward(key, call)
     torch.testing.assert_close(out, backbone(x, sigma, cond), rtol=1e-12, atol=1e-12)
     cotangent = torch.randn_like(out)
     params = rowwise.trainable(key)

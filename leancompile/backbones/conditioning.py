@@ -60,4 +60,6 @@ pytree.register_pytree_node(
     lambda c: ([c.text, c.pooled], None),
     lambda children, _ctx: Conditioning(*children),
     serialized_type_name="leancompile.backbones.Conditioning",
+    flatten_with_keys_fn=lambda c: ([(pytree.GetAttrKey("text"), c.text), (pytree.GetAttrKey("pooled"), c.pooled)],
+                                    None),
 )

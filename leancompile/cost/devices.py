@@ -96,6 +96,13 @@ def live_device(kind: str = "cpu") -> Device:
                   f"calibrated here ({torch.get_num_threads()} threads)")
 
 
+def free_memory(device: torch.device) -> int:
+    """Bytes free on ``device`` now (host memory for the CPU)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    return _meminfo("MemAvailable")
+
+
 def _match(name: str, total: int) -> Device | None:
     lowered = name.lower().replace(" ", "")
     for key, device in DEVICES.items():

@@ -49,9 +49,11 @@ def _signature(node: torch.fx.Node) -> tuple:
 
 
 def _random_like(v: torch.Tensor) -> torch.Tensor:
-    """Random values with ``v``'s shape and strides (also an expanded one: stride 0 shares elements)."""
+    """Random values with ``v``'s shape and strides (also an expanded one: stride 0 shares elements), drawn from a
+    generator of their own: timing must not move the random stream of the loop that compiles (its sampling)."""
     size = 1 + sum((n - 1) * s for n, s in zip(v.shape, v.stride()) if n > 0)
-    return torch.randn(size, dtype=v.dtype, device=v.device).as_strided(v.shape, v.stride())
+    generator = torch.Generator(device=v.device).manual_seed(0)
+    return torch.randn(size, dtype=v.dtype, device=v.device, generator=generator).as_strided(v.shape, v.stride())
 
 
 def _transposed(x: torch.Tensor) -> torch.Tensor:

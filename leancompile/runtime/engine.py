@@ -23,8 +23,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..backbones import Conditioning
-from .identity import CallState, StateReader, call_inputs, row_keys
+from torch.utils import _pytree as pytree
+
+from .calls import Call, output_tensor
+from .identity import TRAINING_FLAGS, CallState, StateReader, row_keys
 from .rowwise import RowwiseBackbone
 
 
@@ -34,7 +36,9 @@ class KeptCall:
 
     state: CallState
     inputs: tuple[torch.Tensor, ...]  # detached, rows on dimension 0
+    whole: tuple[torch.Tensor, ...]  # the tensors every row shares, detached
     output: torch.Tensor  # detached values
+    tree: object  # the module's output around ``output``
     rowwise: RowwiseBackbone | None = None  # what ran it (None: values only, e.g. a KL reference)
     key: tuple = ()  # its program's key in ``rowwise``
     rows: object = None  # the schedule's per-row record (saved tensors, provisional gradients)
@@ -61,6 +65,10 @@ class Match:
             out[torch.tensor(positions, device=out.device)] = values
         return out
 
+    def output(self, tensor: torch.Tensor):
+        """``tensor`` (this call's output tensor) in the module's output tree."""
+        return pytree.tree_unflatten([tensor], self.places[0][0].tree)
+
     def by_call(self):
         """``(kept call, its rows, positions in this call)`` for each kept call involved."""
         groups: dict[int, tuple[KeptCall, list, list]] = {}
@@ -74,7 +82,7 @@ class Match:
 class CallRecord:
     """What the engine did with one call (the step's ``last_calls``)."""
 
-    action: str  # "served" | "served values" | "recomputed" | "kept"
+    action: str  # "served" | "served values" | "recomputed" | "kept" | "not kept"
     rows: int
     reason: str
     kind: str = ""  # the reason's kind, for the statistics
@@ -113,10 +121,13 @@ class Schedule:
 
 
 class ReuseEngine:
-    """Routes the calls of one ``backbone`` (``backbone(x, sigma, cond)``) through kept calls of ``schedule``."""
+    """Routes the calls of one module (``backbone``; any arguments, see :mod:`.calls`) through kept calls of
+    ``schedule``."""
 
-    def __init__(self, backbone, schedule: Schedule, rowwise: dict[float, RowwiseBackbone], sync=None):
+    def __init__(self, backbone, schedule: Schedule, rowwise: dict[float, RowwiseBackbone], sync=None,
+                 shared: frozenset[str] = frozenset()):
         self.backbone = backbone
+        self.shared = shared  # keyword arguments every row shares whatever their size (see runtime.calls)
         self.sync = sync  # the trainer's gradient sync: FSDP2 gathers the current shards before a call
         self.schedule = schedule
         self.rowwise = rowwise  # one per activation budget (Retain's partial retention)
@@ -126,9 +137,13 @@ class ReuseEngine:
         self._index: dict[tuple, list[tuple[KeptCall, int]]] = {}
         self._made: list[KeptCall] = []
         self._keeping = None  # the plan's action for the next call while the caller keeps it
+        # Or, for a wrapped module: the action to keep a call without grad that matches nothing under (None: not
+        # kept), asked of each such call (see leancompile.wrap)
+        self.admit = None
         self._leaves: list | None = None  # while provisional loss heads run: the leaves handed out
         self._fingerprint = None  # of the weights when the first call was kept; checked at the first lookup
         self._checked = True
+        self._same: dict[tuple, bool] = {}  # (kept program key, call's key) -> whether both are the same graphs
         self.held_bytes = 0
         self.peak_bytes = 0
         self.check_seconds = 0.0  # spent reading states, digesting rows, looking up and verifying this step
@@ -145,25 +160,31 @@ class ReuseEngine:
         finally:
             self._keeping = None
 
-    def __call__(self, x, sigma, cond: Conditioning) -> torch.Tensor:
+    def __call__(self, *args, **kwargs):
         if self.sync is not None:
             self.sync.gather()
         start = time.perf_counter()
-        inputs = call_inputs(x, sigma, cond)
+        call = Call.of(args, kwargs, self.shared)
+        if call.refusal is not None:
+            return self._native(call, f"not reusable: {call.refusal}", "arguments")
         if self._keeping is not None:
-            return self._keep(x, sigma, cond, inputs, self.reader.read(inputs), start)
-        keys = row_keys(inputs) if self.kept or self._leaves is not None else None
-        match, reason, kind = self._lookup(inputs, keys)
+            return self._keep(call, self.reader.read(call), start, self._keeping)
+        keys = row_keys(call.row_inputs) if self.kept or self._leaves is not None else None
+        match, reason, kind = self._lookup(call, keys)
         self.check_seconds += time.perf_counter() - start
         if match is not None and self._leaves is not None and torch.is_grad_enabled():
             leaf = match.gather().requires_grad_()  # a provisional head differentiates the kept output
             self._leaves.append((match, leaf))
-            return leaf
+            return match.output(leaf)
         if match is not None and not torch.is_grad_enabled():
             self.log.records.append(CallRecord("served values", len(match.places), "kept values"))
-            return match.gather()
+            return match.output(match.gather())
+        if match is None and self.admit is not None and not torch.is_grad_enabled():
+            action = self.admit(call)
+            if action is not None:
+                return self._keep(call, self.reader.read(call), time.perf_counter(), action)
         if match is not None:
-            if any(t.requires_grad for t in inputs):
+            if any(t.requires_grad for t in call.tensors):
                 reason, kind = "an input requires grad: its gradient is not kept", "input grad"
             else:
                 reason = self.schedule.claim(match)
@@ -171,51 +192,60 @@ class ReuseEngine:
             if reason is None:
                 record = CallRecord("served", len(match.places), f"verified ({self.schedule.name})")
                 self.log.records.append(record)
-                return _Served.apply(self, match, (x, sigma, cond), record, *self.trainable(match))
-        output = self.backbone(x, sigma, cond)
+                return match.output(_Served.apply(self, match, call, record, *self.trainable(match)))
+        output = self._native(call, reason, kind)
         if self._leaves is not None and not torch.is_grad_enabled():
             # e.g. a KL reference the update will ask for again
             start = time.perf_counter()
-            self._remember(self.reader.read(inputs), inputs, output.detach(), keys=keys)
+            tensor, tree, refusal = output_tensor(output)
+            if refusal is None:
+                self._remember(self.reader.read(call), call, tensor.detach(), tree, keys=keys)
             self.check_seconds += time.perf_counter() - start
-        elif torch.is_grad_enabled():
-            self.log.records.append(CallRecord("recomputed", inputs[0].shape[0], reason, kind))
         return output
 
-    def _keep(self, x, sigma, cond, inputs, state, start: float) -> torch.Tensor:
-        """Run the call through the per-row backbone and keep it (``start``: when its checks began)."""
-        action = self._keeping
+    def _native(self, call: Call, reason: str, kind: str):
+        """The module's own call; one with grad is counted as recomputed, with ``reason``."""
+        if torch.is_grad_enabled():
+            self.log.records.append(CallRecord("recomputed", call.batch, reason, kind))
+        return self.backbone(*call.args, **call.kwargs)
+
+    def _keep(self, call: Call, state: CallState, start: float, action):
+        """Run the call through the per-row backbone and keep it under the plan's ``action`` (``start``: when its
+        checks began)."""
+        self._drop_stale(state)
+        self.check_seconds += time.perf_counter() - start
         rowwise = self.rowwise[getattr(action, "fraction", 1.0)]
         key = state.compile_key
-        program = rowwise.program(key, x, sigma, cond)
-        if program.random:
-            self.log.records.append(CallRecord("recomputed", len(x), f"random operator {program.random[0]} in the "
-                                               "call: a rerun draws other numbers", "random"))
-            return self.backbone(x, sigma, cond)
+        program = rowwise.program(key, call)
+        if program.refusal is not None:
+            self.log.records.append(CallRecord("not kept", call.batch, program.refusal, "not keepable"))
+            return self.backbone(*call.args, **call.kwargs)
+        start = time.perf_counter()
         if self._fingerprint is None:
             self._fingerprint = self.reader.fingerprint()
         self.check_seconds += time.perf_counter() - start
-        output, saved = rowwise.forward(key, x, sigma, cond)
+        output, saved = rowwise.forward(key, call)
         start = time.perf_counter()
-        kept = self._remember(state, inputs, output, rowwise, key)
+        kept = self._remember(state, call, output, program.output, rowwise, key)
         self.check_seconds += time.perf_counter() - start
         self.schedule.keep(self, kept, saved, action)
         self._count(kept.nbytes)
         self._checked = False
         self._made.append(kept)
-        self.log.records.append(CallRecord("kept", len(x), str(getattr(action, "kind", action))))
-        return output
+        self.log.records.append(CallRecord("kept", call.batch, str(getattr(action, "kind", action))))
+        return pytree.tree_unflatten([output], program.output)
 
-    def _remember(self, state, inputs, output, rowwise=None, key=(), keys=None) -> KeptCall:
-        kept = KeptCall(state, tuple(t.detach() for t in inputs), output, rowwise, key)
+    def _remember(self, state, call: Call, output, tree, rowwise=None, key=(), keys=None) -> KeptCall:
+        kept = KeptCall(state, tuple(t.detach() for t in call.row_inputs), tuple(t.detach() for t in call.whole_inputs),
+                        output, tree, rowwise, key)
         self.kept.append(kept)
-        for row, digest in enumerate(keys if keys is not None else row_keys(inputs)):
+        for row, digest in enumerate(keys if keys is not None else row_keys(call.row_inputs)):
             self._index.setdefault(digest, []).append((kept, row))
         return kept
 
     # ------------------------------------------------------------------------------------------ serving
 
-    def _lookup(self, inputs, keys) -> tuple[Match | None, str, str]:
+    def _lookup(self, call: Call, keys) -> tuple[Match | None, str, str]:
         """The kept rows that verifiably recompute this call's rows (row digests ``keys``), or why not (reason,
         kind). The call's state is read only once every row has a candidate."""
         if not self.kept:
@@ -223,12 +253,14 @@ class ReuseEngine:
         candidates = [self._index.get(key, ()) for key in keys]
         if not all(candidates):
             return None, f"row {candidates.index(())}: no kept call has these inputs", "inputs"
-        state = self.reader.read(inputs)
+        state = self.reader.read(call)
         places, differences = [], Counter()
         for kept_rows in candidates:
             found = None
             for kept, kept_row in kept_rows:
                 difference = kept.state.difference(state)
+                if difference == TRAINING_FLAGS and self._same_program(kept, state, call):
+                    difference = None
                 if difference is None:
                     found = (kept, kept_row)
                     break
@@ -243,8 +275,10 @@ class ReuseEngine:
         match = Match(tuple(places))
         for kept, rows, positions in match.by_call():
             here, there = _Rows(positions, len(keys)), _Rows(rows, len(kept.output))
-            if not all(torch.equal(here.of(mine), there.of(theirs)) for mine, theirs in zip(inputs, kept.inputs)):
+            if not all(torch.equal(here.of(mine), there.of(theirs)) for mine, theirs in zip(call.row_inputs, kept.inputs)):
                 return None, "inputs equal in digest but not bitwise", "inputs"
+            if not all(torch.equal(mine, theirs) for mine, theirs in zip(call.whole_inputs, kept.whole)):
+                return None, "a tensor every row shares differs from the kept call's", "inputs"
         # Once per update phase (the first match served after calls were kept, the rollout's own heads aside):
         # writes through .data move no version counter.
         if not self._checked and self._leaves is None:
@@ -254,12 +288,25 @@ class ReuseEngine:
                 return None, "a weight was written in place (through .data) since it was kept", "weights"
         return match, "", ""
 
+    def _same_program(self, kept: KeptCall, state: CallState, call: Call) -> bool:
+        """Whether ``call``, under its own training flags, runs the very graphs the kept call ran: then the flags
+        that differ (a rollout in ``eval()``, an update in ``train()``) read nothing that changes the result."""
+        if kept.rowwise is None:
+            return False
+        pair = (kept.key, state.compile_key)
+        if pair not in self._same:
+            theirs, mine = kept.rowwise.program_of(kept.key), kept.rowwise.program(state.compile_key, call)
+            self._same[pair] = mine.refusal is None and mine.digest == theirs.digest
+        return self._same[pair]
+
     def _drop_stale(self, state: CallState) -> None:
         """Kept calls made with other weights versions never match again (counters only grow): free them."""
         stale = [k for k in self.kept if k.state.versions != state.versions]
         if stale:
             self.kept = [k for k in self.kept if k.state.versions == state.versions]
             self._reindex(stale)
+            if not self.kept:  # the fingerprint was of the weights they were made with
+                self._fingerprint, self._checked = None, True
 
     def _reindex(self, dropped) -> None:
         dropped = {id(k) for k in dropped}
@@ -296,10 +343,16 @@ class ReuseEngine:
         self.held_bytes = 0
         self._fingerprint, self._checked = None, True
 
-    def end_step(self) -> dict:
+    def take_stats(self) -> dict:
+        """What happened since the last time: calls served and recomputed and why, peak bytes held, check time."""
         stats = {**self.log.stats(), self.schedule.held: self.peak_bytes, "check_seconds": self.check_seconds}
+        self.log, self.peak_bytes, self.check_seconds = StepLog(), self.held_bytes, 0.0
+        return stats
+
+    def end_step(self) -> dict:
+        stats = self.take_stats()
         self.release()
-        self.log, self.peak_bytes, self.check_seconds = StepLog(), 0, 0.0
+        self.peak_bytes = 0
         return stats
 
 
@@ -338,11 +391,10 @@ class _Served(torch.autograd.Function):
         return (None, None, None, None, *grads)
 
 
-def _native_gradients(engine, call, match: Match, cotangent) -> list[torch.Tensor]:
+def _native_gradients(engine, call: Call, match: Match, cotangent) -> list[torch.Tensor]:
     """The call's forward and backward as the loop would have run them (same autocast state)."""
-    x, sigma, cond = call
     enabled, dtype = match.places[0][0].state.autocast
-    with torch.enable_grad(), torch.autocast(x.device.type, dtype=dtype, enabled=enabled):
-        output = engine.backbone(x, sigma, cond)
+    with torch.enable_grad(), torch.autocast(call.device.type, dtype=dtype, enabled=enabled):
+        output, _, _ = output_tensor(engine.backbone(*call.args, **call.kwargs))
     return list(torch.autograd.grad(output, engine.trainable(match), cotangent, allow_unused=True,
                                     materialize_grads=True))

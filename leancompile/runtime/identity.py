@@ -1,7 +1,8 @@
 """What decides a backbone call's result, read when the call happens: its inputs row by row, and its state.
 
 Two calls give the same rows of output when each row's inputs are bitwise equal (every tensor the module
-receives: latents, sigma, text and pooled conditioning), the non-tensor arguments are equal, and the call's
+receives: latents, sigma, text and pooled conditioning, ids, masks; :mod:`.calls`), the tensors every row shares
+are bitwise equal, the non-tensor arguments are equal, and the call's
 state is the same: every parameter and buffer unmodified (version counters, frozen ones included), every
 submodule's training flag, each LoRA layer's adapters enabled or not, which parameters require grad, and the
 autocast state of the call's device. A weight fingerprint, checked once per update phase, also catches writes
@@ -15,33 +16,32 @@ from dataclasses import dataclass
 
 import torch
 
-from ..backbones import Conditioning
+from .calls import Call
 
 
+TRAINING_FLAGS = "training flags"
 _TRAINING = operator.itemgetter("training")
 _ADAPTERS_OFF = operator.attrgetter("disable_adapters")
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
 _VERSION = operator.attrgetter("_version")
 
 
-def call_inputs(x, sigma, cond: Conditioning) -> tuple[torch.Tensor, ...]:
-    """The tensors a backbone call receives, each with its rows on dimension 0."""
-    return tuple(t for t in (x, sigma, cond.text, cond.pooled) if t is not None)
-
-
 @dataclass(frozen=True)
 class CallState:
     """A call's state besides its inputs' values; two calls may share rows only when their states are equal."""
 
-    signature: tuple  # per input: shape without its rows, dtype, device
+    signature: tuple  # the call's tree, constants, and per tensor its shape (without the rows), dtype and device
     autocast: tuple  # (enabled, dtype) on the call's device type
-    modules: tuple  # training flag of every submodule, adapters disabled per LoRA layer, requires_grad per parameter
+    modules: tuple  # adapters disabled per LoRA layer, requires_grad per parameter
     versions: tuple  # version counter of every parameter and buffer
+    training: tuple = ()  # the training flag of every submodule
 
     def difference(self, other: "CallState") -> str | None:
-        """The first kind in which ``other`` differs (None when equal): the reason a call recomputes."""
+        """The first kind in which ``other`` differs (None when equal): the reason a call recomputes. Training
+        flags come last: calls that differ only there compute the same thing where both flags' programs are the
+        same graph (no dropout, nothing else that reads them), which the engine checks."""
         for kind, field in (("inputs", "signature"), ("autocast", "autocast"), ("module state", "modules"),
-                            ("weights", "versions")):
+                            ("weights", "versions"), (TRAINING_FLAGS, "training")):
             if getattr(self, field) != getattr(other, field):
                 return kind
         return None
@@ -49,7 +49,7 @@ class CallState:
     @property
     def compile_key(self) -> tuple:
         """What a compiled program depends on (not the weights' values)."""
-        return self.signature, self.autocast, self.modules
+        return self.signature, self.autocast, self.modules, self.training
 
 
 class StateReader:
@@ -66,14 +66,17 @@ class StateReader:
         # What the weights are copies of (FSDP2 shards) is versioned too.
         self.versioned = [*self.tensors, *sources]
 
-    def read(self, inputs: tuple[torch.Tensor, ...]) -> CallState:
-        device = inputs[0].device.type
-        signature = tuple((tuple(t.shape[1:]), t.dtype, t.device) for t in inputs)
+    def read(self, call: Call) -> CallState:
+        device = call.device.type
+        signature = call.signature()
         autocast = (torch.is_autocast_enabled(device),
                     torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None)
-        modules = (tuple(map(_TRAINING, self.flags)), tuple(map(_ADAPTERS_OFF, self.lora)),
-                   tuple(map(_REQUIRES_GRAD, self.parameters)))
-        return CallState(signature, autocast, modules, tuple(map(_VERSION, self.versioned)))
+        modules = (tuple(map(_ADAPTERS_OFF, self.lora)), tuple(map(_REQUIRES_GRAD, self.parameters)))
+        return CallState(signature, autocast, modules, self.versions(), tuple(map(_TRAINING, self.flags)))
+
+    def versions(self) -> tuple[int, ...]:
+        """The version counters of every parameter and buffer (and what they are copies of)."""
+        return tuple(map(_VERSION, self.versioned))
 
     def fingerprint(self) -> torch.Tensor:
         """Each weight's norm, one fused pass over all of them: it moves when a write through ``.data`` changes
@@ -102,5 +105,8 @@ def _words(t: torch.Tensor) -> torch.Tensor:
 
 @functools.lru_cache(maxsize=64)
 def _weights(n: int, device: torch.device) -> torch.Tensor:
-    # Elementwise product and sum: CUDA has no integer matrix product.
-    return torch.arange(n, device=device, dtype=torch.int64).mul_(2654435761).remainder_(2**31).add_(1)
+    # Random, not an arithmetic progression: with evenly spaced weights two rows that differ by the same amount at
+    # two pairs of equally spaced places (tokens swapped, and their mask likewise) collide. Drawn on the CPU from a
+    # fixed seed, so that every device and process agrees. Elementwise product and sum: CUDA has no integer
+    # matrix product.
+    return torch.randint(1, 2**31, (n,), generator=torch.Generator().manual_seed(n), dtype=torch.int64).to(device)

@@ -43,14 +43,18 @@ class SavedBytes:
 
 
 @contextlib.contextmanager
-def without_checkpointing(model):
-    """Retention is the opposite of activation checkpointing: compile the plain blocks."""
-    old = getattr(model, "gradient_checkpointing", False)
-    model.gradient_checkpointing = False
+def without_checkpointing(module):
+    """Retention is the opposite of activation checkpointing: compile the plain blocks (every submodule that has a
+    ``gradient_checkpointing`` switch, as diffusers and transformers models do, has it off meanwhile)."""
+    switches = [(m, m.gradient_checkpointing) for m in module.modules()
+                if isinstance(getattr(m, "gradient_checkpointing", None), bool)]
+    for m, _ in switches:
+        m.gradient_checkpointing = False
     try:
         yield
     finally:
-        model.gradient_checkpointing = old
+        for m, old in switches:
+            m.gradient_checkpointing = old
 
 
 def partition_saved_bytes(backbone, x, sigma, cond: Conditioning, memory_budget: float = 1.0) -> int:
@@ -67,7 +71,7 @@ def partition_saved_bytes(backbone, x, sigma, cond: Conditioning, memory_budget:
         raise _Partitioned
 
     compiled = aot_function(forward, fw_compiler=keep_forward, partition_fn=min_cut_rematerialization_partition)
-    with without_checkpointing(backbone.model), functorch_config.patch(activation_memory_budget=memory_budget), \
+    with without_checkpointing(backbone), functorch_config.patch(activation_memory_budget=memory_budget), \
             contextlib.suppress(_Partitioned):
         compiled(params, buffers, x, sigma, cond.text, cond.pooled)
     graph = graphs["forward"].graph

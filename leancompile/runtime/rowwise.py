@@ -16,6 +16,7 @@ batch size; the batch-1 partition runs the simplifying passes of :mod:`leancompi
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import warnings
 from collections import OrderedDict
@@ -29,11 +30,11 @@ from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from ..backbones import Conditioning
 from ..passes.identities import drop_copies_of_unshared_values, drop_multiplications_by_one
 from ..passes.inplace import write_scatters_in_place
 from ..passes.matmul_order import order_matrix_products
 from ..passes.rowwise import prepare_for_rows, random_operators
+from .calls import Call, output_tensor
 from .partition import without_checkpointing
 
 
@@ -45,17 +46,17 @@ _TRACES_KEPT = 64
 class RowProgram:
     """The batch-1 partition of one row signature."""
 
-    forward: torch.fx.GraphModule  # (weights..., x, sigma, text[, pooled]) -> (output, *saved)
-    backward: torch.fx.GraphModule  # (*saved, cotangent) -> gradients of the forward's inputs (None: no grad)
+    forward: torch.fx.GraphModule | None  # (weights..., *call tensors) -> (output, *saved)
+    backward: torch.fx.GraphModule | None  # (*saved, cotangent) -> gradients of the forward's inputs (None: no grad)
     trainable: tuple[int, ...]  # positions among the weights whose gradient the backward returns
     per_row: tuple[bool, ...]  # per saved tensor: computed from the row's data (else from the weights alone)
-    absent: int  # trailing data inputs that are None (e.g. Wan's pooled conditioning): passed as None
+    output: object  # the tree of the module's output around its one tensor
     digest: str  # of both graphs' code and constants: equal programs share their traced graphs
-    random: tuple[str, ...]  # nodes that draw random numbers: such a call is never kept
+    refusal: str | None = None  # why such a call is never kept (a random operator, an output without rows)
 
 
 class RowwiseBackbone:
-    """``backbone(x, sigma, cond)`` run row by row (as one vmapped graph) with its saved tensors handed out."""
+    """A module's call run row by row (as one vmapped graph) with its saved tensors handed out."""
 
     def __init__(self, backbone, memory_budget: float = 1.0, tune_matmuls: bool = True):
         self.backbone = backbone
@@ -85,17 +86,26 @@ class RowwiseBackbone:
 
     # ------------------------------------------------------------------------------------------ compile
 
-    def program(self, key: tuple, x, sigma, cond: Conditioning) -> RowProgram:
-        """The batch-1 partition for the row signature ``key`` (compiled from the first row on first use)."""
+    def program(self, key: tuple, call: Call) -> RowProgram:
+        """The batch-1 partition for the row signature ``key`` (compiled from the call's first row on first use)."""
         if key not in self._programs:
-            self._programs[key] = self._partition(x[:1], sigma[:1], cond.index(slice(0, 1)))
+            try:
+                self._programs[key] = self._partition(call)
+            except Exception as error:  # what cannot be compiled at one row runs natively, and says why
+                self._programs[key] = RowProgram(None, None, (), (), None, "",
+                                                 f"one row does not compile ({type(error).__name__}: {error})")
         return self._programs[key]
 
-    def _partition(self, x, sigma, cond: Conditioning) -> RowProgram:
-        backbone, graphs = self.backbone, {}
+    def _partition(self, call: Call) -> RowProgram:
+        backbone, graphs, outputs = self.backbone, {}, []
 
-        def forward(params, buffers, x, sigma, text, pooled):
-            return torch.func.functional_call(backbone, (params, buffers), (x, sigma, Conditioning(text, pooled)))
+        def forward(params, buffers, *tensors):
+            args, kwargs = call.with_tensors(tensors)
+            tensor, tree, refusal = output_tensor(torch.func.functional_call(backbone, (params, buffers), args, kwargs))
+            if refusal is not None:
+                raise ValueError(refusal)
+            outputs.append(tree)
+            return tensor
 
         def keep(name):
             def compiler(gm, _):
@@ -109,14 +119,19 @@ class RowwiseBackbone:
         fake = FakeTensorMode(allow_non_fake_inputs=True)
         params = {n: fake.from_tensor(p) for n, p in self._params.items()}
         buffers = {n: fake.from_tensor(b) for n, b in self._buffers.items()}
-        data = [fake.from_tensor(t.detach()) for t in (x, sigma, cond.text, cond.pooled) if t is not None]
-        with fake, without_checkpointing(backbone.model), torch.enable_grad(), \
+        data = [fake.from_tensor(t[:1].detach() if row else t.detach())
+                for t, row in zip(call.tensors, call.tensor_rows)]
+        with fake, without_checkpointing(backbone), _compiling(), torch.enable_grad(), \
                 functorch_config.patch(activation_memory_budget=self.memory_budget):
-            out = compiled(params, buffers, *data[:3], data[3] if len(data) > 3 else None)
+            out = compiled(params, buffers, *data)
             torch.autograd.grad(out, [p for p in params.values() if p.requires_grad], torch.zeros_like(out),
                                 allow_unused=True)  # compiles the backward graph
         fw, bw = graphs["forward"], graphs["backward"]
-        random = tuple(random_operators(fw))
+        refusal = None
+        if out.dim() == 0 or out.shape[0] != 1:
+            refusal = f"the output ({tuple(out.shape)} at one row) has no row dimension"
+        if random := random_operators(fw):
+            refusal = f"random operator {random[0]} in the call: a rerun draws other numbers"
         for gm in (fw, bw):
             drop_multiplications_by_one(gm)
             drop_copies_of_unshared_values(gm)
@@ -124,8 +139,7 @@ class RowwiseBackbone:
         results = next(iter(bw.graph.find_nodes(op="output"))).args[0]
         weights = len(self._params) + len(self._buffers)
         trainable = tuple(i for i, r in enumerate(results[:weights]) if r is not None)
-        absent = len(list(fw.graph.find_nodes(op="placeholder"))) - weights - len(data)
-        return RowProgram(fw, bw, trainable, _reads_data(fw, weights), absent, _digest(fw, bw), random)
+        return RowProgram(fw, bw, trainable, _reads_data(fw, weights), outputs[0], _digest(fw, bw), refusal)
 
     def _traced(self, cache: dict, key: tuple, fn, args, forward: bool = False) -> torch.fx.GraphModule:
         """``fn`` traced on ``args``; shared by every backbone whose program has the same digest (the weights are
@@ -137,7 +151,8 @@ class RowwiseBackbone:
             if shared not in _TRACES:
                 # Kernels without a batching rule (the CPU attention backward) trace as one call per row: what
                 # native's backward of those rows computes anyway. PyTorch warns about it; it is expected here.
-                with torch.autocast(args[1].device.type, enabled=False), warnings.catch_warnings():
+                device = leaves[-1].device  # the last data input (forward) or the cotangent (backward)
+                with torch.autocast(device.type, enabled=False), warnings.catch_warnings():
                     warnings.filterwarnings("ignore", message="There is a performance drop")
                     gm = make_fx(fn, tracing_mode="fake")(*args)
                 if forward:
@@ -152,22 +167,22 @@ class RowwiseBackbone:
 
     # -------------------------------------------------------------------------------------------- run
 
-    def forward(self, key: tuple, x, sigma, cond: Conditioning) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """The call's output and its saved tensors (row on dimension 0), without autograd."""
-        program = self.program(key, x, sigma, cond)
-        data = [t.detach() for t in (x, sigma, cond.text, cond.pooled) if t is not None]
+    def forward(self, key: tuple, call: Call) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The call's output tensor and its saved tensors (row on dimension 0), without autograd."""
+        program = self.program(key, call)
+        data = [t.detach() for t in call.tensors]
+        rows_in = call.tensor_rows
         fw, out_dims = program.forward, (0, *(0 if r else None for r in program.per_row))
 
         def rows(weights, *data):
-            absent = [None] * program.absent
-            if x.shape[0] == 1:  # the one-row program as it is: a row dimension in front, no vmap
-                return tuple(o if d is None else o.unsqueeze(0) for o, d in zip(fw(*weights, *data, *absent), out_dims))
-            one = lambda *row: tuple(fw(*weights, *[t.unsqueeze(0) for t in row], *absent))
-            return torch.vmap(one, out_dims=out_dims)(*data)
+            if call.batch == 1:  # the one-row program as it is: a row dimension in front, no vmap
+                return tuple(o if d is None else o.unsqueeze(0) for o, d in zip(fw(*weights, *data), out_dims))
+            one = lambda *ts: tuple(fw(*weights, *[t.unsqueeze(0) if r else t for t, r in zip(ts, rows_in)]))
+            return torch.vmap(one, in_dims=tuple(0 if r else None for r in rows_in), out_dims=out_dims)(*data)
 
-        gm = self._traced(self._forwards, (key, x.shape[0]), rows, (self.weights, *data), forward=True)
+        gm = self._traced(self._forwards, (key, call.batch), rows, (self.weights, *data), forward=True)
         self.forward_graph = gm
-        with torch.no_grad(), torch.autocast(x.device.type, enabled=False):
+        with torch.no_grad(), torch.autocast(call.device.type, enabled=False):
             output, *saved = gm(self.weights, *data)
         return output.squeeze(1), saved
 
@@ -191,6 +206,19 @@ class RowwiseBackbone:
         with torch.no_grad(), torch.autocast(cotangent.device.type, enabled=False):
             return gm(saved, cotangent)
 
+
+
+@contextlib.contextmanager
+def _compiling():
+    """Say that a graph is being traced, as torch.compile does: models then skip shortcuts that read their inputs'
+    values to choose a kernel (transformers drops the attention mask when it has no padding), which a trace cannot
+    follow and which would make one row's program depend on the values of the row it was traced on."""
+    flag = torch.compiler._is_compiling_flag
+    torch.compiler._is_compiling_flag = True
+    try:
+        yield
+    finally:
+        torch.compiler._is_compiling_flag = flag
 
 
 def _reads_data(fw: torch.fx.GraphModule, weights: int) -> tuple[bool, ...]:

@@ -1,0 +1,105 @@
+"""One call of a module, split the way reuse needs it: tensors that carry the call's rows, tensors every row shares,
+and constants.
+
+Any module is called with a tree of arguments (a trainer's ``backbone(x, sigma, cond)``, a diffusers transformer's
+keyword arguments, a causal LM's ``input_ids`` and ``attention_mask``). The call's batch is the leading size of its
+first tensor; every tensor with that leading size carries rows (a row of the output depends on the same row of
+each), every other tensor is shared whole by all rows (Flux's ``img_ids``), and the other leaves are constants that
+the compiled program bakes in (``return_dict=False``). Keyword arguments named in ``shared`` are shared whatever
+their size: a shared tensor whose leading size happens to equal the batch must be named there.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch.utils import _pytree as pytree
+
+
+@dataclass(frozen=True)
+class Call:
+    args: tuple
+    kwargs: dict
+    leaves: tuple  # the arguments' leaves in pytree order
+    spec: pytree.TreeSpec
+    rows: tuple[bool, ...]  # per leaf: a tensor with the call's rows on dimension 0
+    batch: int
+    refusal: str | None  # why this call cannot be kept or served (None: it can)
+
+    @classmethod
+    def of(cls, args: tuple, kwargs: dict, shared: frozenset[str] = frozenset()) -> "Call":
+        if shared:
+            flat, spec = pytree.tree_flatten_with_path((args, kwargs))
+            leaves, named = tuple(leaf for _, leaf in flat), tuple(_named(path, shared) for path, _ in flat)
+        else:  # the paths cost as much again: only read where names are given
+            leaves, spec = pytree.tree_flatten((args, kwargs))
+            leaves, named = tuple(leaves), (False,) * len(leaves)
+        tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor) and leaf.dim()]
+        batch = tensors[0].shape[0] if tensors else 0
+        rows = tuple(isinstance(leaf, torch.Tensor) and leaf.dim() > 0 and leaf.shape[0] == batch and not name
+                     for leaf, name in zip(leaves, named))
+        refusal = None if tensors else "no tensor argument with a batch dimension"
+        odd = [i for i, leaf in enumerate(leaves) if not isinstance(leaf, torch.Tensor) and not _constant(leaf)]
+        if odd:
+            path = pytree.keystr(pytree.tree_flatten_with_path((args, kwargs))[0][odd[0]][0])
+            refusal = f"argument {path} of type {type(leaves[odd[0]]).__name__} is not a tensor or a constant"
+        return cls(args, kwargs, leaves, spec, rows, batch, refusal)
+
+    @property
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        """The tensor leaves, in order: what a compiled program of this call takes after the weights."""
+        return tuple(leaf for leaf in self.leaves if isinstance(leaf, torch.Tensor))
+
+    @property
+    def row_inputs(self) -> tuple[torch.Tensor, ...]:
+        return tuple(leaf for leaf, row in zip(self.leaves, self.rows) if row)
+
+    @property
+    def whole_inputs(self) -> tuple[torch.Tensor, ...]:
+        return tuple(leaf for leaf, row in zip(self.leaves, self.rows) if not row and isinstance(leaf, torch.Tensor))
+
+    @property
+    def tensor_rows(self) -> tuple[bool, ...]:
+        """Per tensor leaf: whether it carries rows."""
+        return tuple(row for leaf, row in zip(self.leaves, self.rows) if isinstance(leaf, torch.Tensor))
+
+    @property
+    def device(self) -> torch.device:
+        return self.row_inputs[0].device
+
+    def signature(self) -> tuple:
+        """What a program compiled for one row of this call depends on: the tree, the constants, and each tensor's
+        shape (without the rows where it has them), dtype and device."""
+        return (self.spec,
+                tuple((tuple(leaf.shape[1:] if row else leaf.shape), leaf.dtype, leaf.device, row)
+                      if isinstance(leaf, torch.Tensor) else leaf for leaf, row in zip(self.leaves, self.rows)))
+
+    def with_tensors(self, tensors) -> tuple[tuple, dict]:
+        """``(args, kwargs)`` with the tensor leaves replaced by ``tensors`` (in order)."""
+        it = iter(tensors)
+        leaves = [next(it) if isinstance(leaf, torch.Tensor) else leaf for leaf in self.leaves]
+        return pytree.tree_unflatten(leaves, self.spec)
+
+    def first_row(self) -> tuple[tuple, dict]:
+        """The call restricted to its first row."""
+        return self.with_tensors(t[:1] if row else t for t, row in zip(self.tensors, self.tensor_rows))
+
+
+def _named(path, names: frozenset[str]) -> bool:
+    """Whether a leaf's path lies under a keyword argument named in ``names``."""
+    return len(path) > 1 and getattr(path[0], "idx", None) == 1 and getattr(path[1], "key", None) in names
+
+
+def _constant(value) -> bool:
+    """A leaf a compiled program can bake in and a signature can compare."""
+    return value is None or isinstance(value, (bool, int, float, str, torch.dtype, torch.device))
+
+
+def output_tensor(output) -> tuple[torch.Tensor | None, pytree.TreeSpec, str | None]:
+    """A module's output as its one tensor leaf and the tree around it (or None and why it cannot be kept)."""
+    leaves, spec = pytree.tree_flatten(output)
+    tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
+    if len(tensors) != 1 or len(leaves) != 1:
+        kinds = ", ".join(type(leaf).__name__ for leaf in leaves)
+        return None, spec, f"the output has leaves ({kinds}); a kept call returns exactly one tensor"
+    return tensors[0], spec, None

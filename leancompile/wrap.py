@@ -1,0 +1,130 @@
+"""``leancompile.wrap(module)``: the reuse engine around a module called from a training loop leancompile did not
+write (a diffusers transformer in a FlowGRPO- or DanceGRPO-style script, a causal LM in a GRPO loop).
+
+The loop stays as it is. Its rollout calls the module without grad; each such call that matches no kept call is
+kept (run through the per-row program, its saved tensors held) while what the kept calls hold stays under the
+memory limit. The rollout ends at the first call with grad (calls without grad after it, such as a KL reference
+with the adapters off, are not kept) and a new one begins once the weights change. Its update calls the module again with grad: a call whose every row has a kept row with bitwise-equal
+inputs and the same state (weights unmodified, training flags, adapters, autocast) is served from it, and its
+backward runs the kept rows' backward; anything else runs the module itself, and ``stats()`` says why. An
+optimizer step changes the weights' version counters, so nothing kept before it is served after it, and it is freed
+at the next call.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .cost.devices import free_memory
+from .plan import StepAction
+from .runtime.calls import Call
+from .runtime.engine import ReuseEngine
+from .runtime.retain import Retain
+from .runtime.rowwise import RowwiseBackbone
+
+WRAP_SCHEDULES = ("retain", "offload")
+# Keyword arguments of diffusers transformers shared by every row whatever their length (position ids).
+SHARED_ARGUMENTS = ("img_ids", "txt_ids")
+
+
+@dataclass
+class _Admission:
+    """Which calls without grad are kept: those of a rollout (from a change of the weights to the next call with
+    grad: a reference model's calls inside the update are not), while the kept calls hold less than ``limit`` bytes
+    (read from the device's free memory at the first call when not given; the last call kept may pass it by its own
+    size)."""
+
+    engine: ReuseEngine
+    action: StepAction
+    limit: int | None
+    share: float = 0.5  # of the free memory, when no limit is given: the update's own activations need the rest
+    closed_at: tuple | None = None  # the weights' versions when a call with grad closed the rollout
+
+    def __call__(self, call: Call) -> StepAction | None:
+        if self.closed_at is not None:
+            if self.engine.reader.versions() == self.closed_at:
+                return None
+            self.closed_at = None  # the weights changed since: a new rollout
+        if self.limit is None:
+            self.limit = int(free_memory(call.device) * self.share)
+        return self.action if self.engine.held_bytes < self.limit else None
+
+    def close(self) -> None:
+        """A call with grad: the rollout is over until the weights change."""
+        self.closed_at = self.engine.reader.versions()
+
+
+class Wrapped(torch.nn.Module):
+    """The wrapped module: called like it, with its calls going through the reuse engine. Attributes it does not
+    have are the module's (``config``, ``dtype``, ...); ``wrapped.module`` is the module itself (save that one)."""
+
+    def __init__(self, module: torch.nn.Module, engine: ReuseEngine):
+        super().__init__()
+        self.module = module
+        self.__dict__["engine"] = engine  # not a submodule: its state is not the model's
+
+    def forward(self, *args, **kwargs):
+        if torch.is_grad_enabled():
+            self.engine.admit.close()
+        return self.engine(*args, **kwargs)
+
+    def stats(self) -> dict:
+        """Since the last call: calls served and recomputed (with each recompute's reason by kind), the peak bytes
+        the kept calls held, and the seconds the checks took."""
+        return self.engine.take_stats()
+
+    @property
+    def last_calls(self) -> list:
+        """What the engine did with each call since ``stats()`` was last read."""
+        return list(self.engine.log.records)
+
+    def release(self) -> None:
+        """Free every kept call now (they are freed anyway once the weights change)."""
+        self.engine.release()
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name == "module":
+                raise
+            return getattr(self.module, name)
+
+
+def wrap(module: torch.nn.Module, schedule: str = "retain", memory_limit: int | None = None,
+         shared: tuple[str, ...] = SHARED_ARGUMENTS, tune_matmuls: bool = True) -> Wrapped:
+    """Wrap ``module`` so that its calls with grad are served from its earlier calls without grad where that is
+    verified to compute the same thing.
+
+    Args:
+        module: any ``nn.Module`` whose output rows depend only on the same rows of its inputs (a diffusers
+            transformer, with or without peft LoRA; a causal LM called on whole sequences), called with its own
+            arguments. Its output must be one tensor in any tree (``return_dict=False``'s tuple, a model output
+            without a cache: pass ``use_cache=False`` to a causal LM).
+        schedule: ``"retain"`` keeps the kept calls' activations on the device, ``"offload"`` in host memory.
+        memory_limit: bytes the kept calls may hold (default: half the device's free memory at the first call).
+        shared: keyword arguments that every row shares whatever their leading size (tensors whose leading size
+            differs from the batch's are shared anyway).
+        tune_matmuls: as in :func:`leancompile.optimize`.
+
+    Returns:
+        The wrapped module; put it where the module was (inside ``DistributedDataParallel`` too).
+    """
+    if not isinstance(module, torch.nn.Module):
+        raise ValueError(f"module must be a torch.nn.Module; got {type(module).__name__}")
+    if isinstance(module, Wrapped):
+        raise ValueError("module is already wrapped: wrap the module once (wrapped.module is the original)")
+    if schedule not in WRAP_SCHEDULES:
+        raise ValueError(f"schedule must be one of {WRAP_SCHEDULES} for a wrapped module; got {schedule!r}")
+    if memory_limit is not None and (not isinstance(memory_limit, int) or memory_limit <= 0):
+        raise ValueError(f"memory_limit must be a positive number of bytes; got {memory_limit!r}")
+    if isinstance(shared, str) or not all(isinstance(name, str) for name in shared):
+        raise ValueError(f"shared must be a tuple of keyword-argument names; got {shared!r}")
+    if not isinstance(tune_matmuls, bool):
+        raise ValueError(f"tune_matmuls must be True or False; got {tune_matmuls!r}")
+    engine = ReuseEngine(module, Retain(), {1.0: RowwiseBackbone(module, tune_matmuls=tune_matmuls)},
+                         shared=frozenset(shared))
+    action = StepAction(0, schedule, "a call without grad of the wrapped module that matches no kept call")
+    engine.admit = _Admission(engine, action, memory_limit)
+    return Wrapped(module, engine)
