@@ -31,6 +31,8 @@ class Config:
     max_new_tokens: int = 3
     clip: float = 0.2
     lr: float = 3e-3
+    hidden: int = 64
+    layers: int = 2
     seed: int = 0
     dtype: torch.dtype = torch.float32
     autocast: torch.dtype | None = None  # e.g. torch.bfloat16: the loop's forwards run under autocast
@@ -42,8 +44,9 @@ class Loop:
     def __init__(self, config: Config = Config(), use_leancompile: bool = True):
         self.config = c = config
         torch.manual_seed(c.seed)  # the weights; generate samples from torch's own generator too
-        model_config = LlamaConfig(vocab_size=15, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16,
+        model_config = LlamaConfig(vocab_size=15, hidden_size=c.hidden, intermediate_size=2 * c.hidden,
+                                   num_hidden_layers=c.layers, num_attention_heads=4, num_key_value_heads=2,
+                                   max_position_embeddings=16,
                                    bos_token_id=BOS, eos_token_id=EOS, pad_token_id=PAD)
         self.model = LlamaForCausalLM(model_config).to(c.dtype)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=c.lr)

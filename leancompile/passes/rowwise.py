@@ -16,10 +16,12 @@ graphs into graphs over ``B`` rows. Two kinds of aten node trace at batch 1 but 
 """
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
+from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from .meta import REWRITE
 
@@ -93,3 +95,207 @@ def random_operators(gm: fx.GraphModule) -> list[str]:
             continue
         found.append(node.name)
     return found
+
+
+# Operators that compute each index of dimension 0 of their tensors on its own (attention kernels: dimension 0 is
+# the batch) and that ``vmap`` has no batching rule for: it traces them once per row.
+_BATCH_FIRST = {
+    aten._scaled_dot_product_flash_attention_for_cpu.default,
+    aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
+}
+
+
+@dataclass(frozen=True)
+class FoldResult:
+    """What :func:`fold_per_row_calls` changed."""
+
+    folded: int  # groups of per-row calls that became one call
+    calls: int  # the per-row calls they replaced
+
+
+def fold_per_row_calls(gm: fx.GraphModule) -> FoldResult:
+    """Fold the per-row calls ``vmap`` leaves of a batch-first operator into one call over all rows.
+
+    Without a batching rule, ``vmap`` traces such an operator once per row, on ``select(X, 0, i)`` of each input
+    (whose row has the one-row program's batch dimension of 1 first), and stacks the rows' results::
+
+        %q_0 = select(%q, 0, 0) ... %out_0 = sdpa(%q_0, %k_0, %v_0); ...; %o = stack([%out_0[0], %out_1[0], ...])
+
+    The operator computes each index of dimension 0 on its own, so one call on every row at once
+    (``reshape(%q, [R, ...])``) computes the same values; its results, viewed back with their row dimension,
+    replace the per-row ones (a ``stack`` of all of them in order becomes that view)::
+
+        %all = sdpa(reshape(%q, [R, ...]), ...); %o = reshape(%all[0], [R, 1, ...])
+    """
+    groups: dict[tuple, list[fx.Node]] = {}
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target in _BATCH_FIRST:
+            key = _row_call_key(node)
+            if key is not None:
+                groups.setdefault(key[0], []).append((key[1], node))
+    folded = calls = 0
+    for rows in groups.values():
+        rows.sort(key=lambda r: r[0])
+        if [i for i, _ in rows] != list(range(len(rows))) or len(rows) < 2:
+            continue
+        nodes = [n for _, n in rows]
+        sources = _row_sources(nodes[0])
+        if sources is None or any(sources[1] != _row_sources(n)[1] for n in nodes):
+            continue
+        _fold(gm, nodes, len(rows))
+        folded += 1
+        calls += len(rows)
+    if folded:
+        _stacks_of_rows_to_views(gm)
+        gm.graph.eliminate_dead_code()
+        _refresh(gm)
+    return FoldResult(folded, calls)
+
+
+def _row_sources(node: fx.Node):
+    """``(row, shape of what every row shares)`` of a per-row call: each tensor input is ``select(X, 0, row)`` of
+    an input ``X`` whose rows have a leading 1, or the same node for every row. None if it is not such a call."""
+    row, pattern = None, []
+    for arg in [*node.args, *node.kwargs.values()]:
+        if isinstance(arg, fx.Node) and arg.target is aten.select.int and arg.args[1] == 0:
+            source = arg.args[0]
+            shape = source.meta["val"].shape
+            if len(shape) < 2 or shape[1] != 1 or (row is not None and arg.args[2] != row):
+                return None
+            row = arg.args[2]
+            pattern.append(("row", source))
+        else:
+            pattern.append(("same", arg))
+    return (row, tuple(pattern)) if row is not None else None
+
+
+def _row_call_key(node: fx.Node):
+    """``(group, row)``: calls of one group differ only in the row they select."""
+    sources = _row_sources(node)
+    if sources is None:
+        return None
+    row, pattern = sources
+    return (node.target, pattern), row
+
+
+def _fold(gm: fx.GraphModule, nodes: list[fx.Node], rows: int) -> None:
+    first, graph = nodes[0], gm.graph
+
+    def whole(arg):
+        if isinstance(arg, fx.Node) and arg.target is aten.select.int and arg.args[1] == 0:
+            shape = arg.args[0].meta["val"].shape
+            return graph.call_function(aten.reshape.default, (arg.args[0], [rows * shape[1], *shape[2:]]))
+        return arg
+
+    with graph.inserting_before(first):
+        call = graph.call_function(first.target, tuple(whole(a) for a in first.args),
+                                   {k: whole(v) for k, v in first.kwargs.items()})
+        call.meta[REWRITE] = f"folded {rows} per-row calls"
+        per_row = {}  # result index -> the result viewed with its row dimension
+        for row, node in enumerate(nodes):
+            for user in list(node.users):
+                index = user.args[1]
+                if index not in per_row:
+                    result = graph.call_function(operator.getitem, (call, index))
+                    per_row[index] = graph.call_function(aten.reshape.default,
+                                                         (result, [rows, *user.meta["val"].shape]))
+                user.replace_all_uses_with(graph.call_function(aten.select.int, (per_row[index], 0, row)))
+                graph.erase_node(user)
+    for node in nodes:
+        graph.erase_node(node)
+
+
+def _stacks_of_rows_to_views(gm: fx.GraphModule) -> None:
+    """``stack([select(Y, 0, 0), ..., select(Y, 0, R-1)], 0)`` is ``Y``."""
+    for node in list(gm.graph.nodes):
+        if node.target is not aten.stack.default or (len(node.args) > 1 and node.args[1] != 0):
+            continue
+        items = node.args[0]
+        source = items[0].args[0] if items and items[0].target is aten.select.int else None
+        if source is not None and source.target is aten.reshape.default and source.args[1][0] == len(items) and all(
+                x.target is aten.select.int and x.args[:3] == (source, 0, i) for i, x in enumerate(items)):
+            node.replace_all_uses_with(source)
+            gm.graph.erase_node(node)
+
+
+@dataclass(frozen=True)
+class RowSumResult:
+    """What :func:`sum_products_over_rows` changed."""
+
+    products: int  # row sums of batched products that became one product
+
+
+def sum_products_over_rows(gm: fx.GraphModule) -> RowSumResult:
+    """Rewrite each sum over the rows of a batched matrix product into one product over all rows at once.
+
+    A weight's gradient summed over ``R`` rows comes out of ``vmap`` as ``R`` small products and a sum, behind the
+    views that lay the product out as the weight::
+
+        %p = bmm(%a, %b)  # (R, m, k) @ (R, k, n)
+        %g = sum(transpose(_unsafe_view(%p, [R, m, n]), 1, 2), [0])
+
+    ``sum_r a_r @ b_r`` is ``[a_0 ... a_R-1] @ [b_0; ...; b_R-1]``, one product over ``R * k``; the views act on the
+    dimensions after the rows, so they apply to that product with the row dimension dropped::
+
+        %p = mm(reshape(permute(%a, [1, 0, 2]), [m, R * k]), reshape(%b, [R * k, n]))
+        %g = transpose(reshape(%p, [m, n]), 0, 1)
+    """
+    count = 0
+    for node in list(gm.graph.nodes):
+        if node.target is aten.sum.dim_IntList and list(node.args[1]) == [0] and not _keepdim(node):
+            count += _sum_of_product(gm.graph, node)
+    if count:
+        gm.graph.eliminate_dead_code()
+        _refresh(gm)
+    return RowSumResult(count)
+
+
+def _refresh(gm: fx.GraphModule) -> None:
+    """Recompile ``gm`` and give its new nodes their values, for the passes that read them (the placeholders keep
+    the trace's fake values)."""
+    gm.graph.lint()
+    gm.recompile()
+    placeholders = [n.meta["val"] for n in gm.graph.find_nodes(op="placeholder")]
+    FakeTensorProp(gm, mode=placeholders[0].fake_mode).propagate_dont_convert_inputs(*placeholders)
+
+
+def _keepdim(node: fx.Node) -> bool:
+    return bool(node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False))
+
+
+_ROW_VIEWS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
+
+
+def _sum_of_product(graph: fx.Graph, total: fx.Node) -> int:
+    """Rewrite ``total`` (a sum over dimension 0) where it sums a batched product through row-preserving views."""
+    chain, node = [], total.args[0]
+    while node.op == "call_function" and node.target is not aten.bmm.default:
+        rows = node.meta["val"].shape[0] if "val" in node.meta else None
+        if len(node.users) != 1 or rows is None:
+            return 0
+        if node.target in _ROW_VIEWS and node.args[0].meta["val"].shape[0] == rows == node.args[1][0]:
+            chain.append(node)
+        elif node.target is aten.transpose.int and min(node.args[1], node.args[2]) > 0:
+            chain.append(node)
+        else:
+            return 0
+        node = node.args[0]
+    if node.target is not aten.bmm.default or len(node.users) != 1:
+        return 0
+    a, b = node.args
+    rows, m, k = a.meta["val"].shape
+    n = b.meta["val"].shape[2]
+    with graph.inserting_before(total):
+        left = graph.call_function(aten.reshape.default,
+                                   (graph.call_function(aten.permute.default, (a, [1, 0, 2])), [m, rows * k]))
+        right = graph.call_function(aten.reshape.default, (b, [rows * k, n]))
+        value = graph.call_function(aten.mm.default, (left, right))
+        for op in reversed(chain):
+            if op.target is aten.transpose.int:
+                value = graph.call_function(aten.transpose.int, (value, op.args[1] - 1, op.args[2] - 1))
+            else:
+                value = graph.call_function(aten.reshape.default, (value, list(op.args[1][1:])))
+    value.meta[REWRITE] = f"sum over {rows} rows of products as one product"
+    total.replace_all_uses_with(value)
+    graph.erase_node(total)
+    return 1

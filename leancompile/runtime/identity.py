@@ -109,4 +109,5 @@ def _weights(n: int, device: torch.device) -> torch.Tensor:
     # two pairs of equally spaced places (tokens swapped, and their mask likewise) collide. Drawn on the CPU from a
     # fixed seed, so that every device and process agrees. Elementwise product and sum: CUDA has no integer
     # matrix product.
-    return torch.randint(1, 2**31, (n,), generator=torch.Generator().manual_seed(n), dtype=torch.int64).to(device)
+    return torch.randint(1, 2**31, (n,), generator=torch.Generator().manual_seed(n), dtype=torch.int64,
+                         device="cpu").to(device)

@@ -33,7 +33,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from ..passes.identities import drop_copies_of_unshared_values, drop_multiplications_by_one
 from ..passes.inplace import write_scatters_in_place
 from ..passes.matmul_order import order_matrix_products
-from ..passes.rowwise import prepare_for_rows, random_operators
+from ..passes.rowwise import fold_per_row_calls, prepare_for_rows, random_operators, sum_products_over_rows
 from .calls import Call, output_tensor
 from .partition import without_checkpointing
 
@@ -155,6 +155,8 @@ class RowwiseBackbone:
                 with torch.autocast(device.type, enabled=False), warnings.catch_warnings():
                     warnings.filterwarnings("ignore", message="There is a performance drop")
                     gm = make_fx(fn, tracing_mode="fake")(*args)
+                fold_per_row_calls(gm)
+                sum_products_over_rows(gm)
                 if forward:
                     write_scatters_in_place(gm)
                 if self.tune_matmuls:

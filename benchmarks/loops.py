@@ -1,0 +1,95 @@
+"""The drop-in loops (``examples/``) natively and with ``leancompile.wrap``: step times side by side, FLOPs, and
+how far from 1 the importance ratio of the update's first micro-step is in each."""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from examples import dancegrpo_flux, flowgrpo_sd3, grpo_llm
+
+from .cases import backbone_sizes
+from .measure import Timing, interleaved_times, max_rel_weight_diff, timing_fields
+from leancompile.cost.workload import FlopCounter
+
+# Each loop at the benchmark's sizes (wider than the examples' defaults, see cases.py); the LLM runs its rollout's
+# old log-probabilities over 128 sequences at once and its update in micro-batches of 32.
+LOOPS = {
+    "llm/grpo": (grpo_llm.Loop, grpo_llm.Config(hidden=256, layers=4, micro_batch=32)),
+    "sd3/flowgrpo": (flowgrpo_sd3.Loop, flowgrpo_sd3.Config(sizes=tuple(backbone_sizes("sd3").items()))),
+    "flux/dancegrpo": (dancegrpo_flux.Loop, dancegrpo_flux.Config(sizes=tuple(backbone_sizes("flux").items()))),
+}
+QUICK_LOOPS = ("llm/grpo",)
+
+
+class _Program:
+    """A loop seen as the benchmark's programs are: ``step(prompts)`` and ``trainable``."""
+
+    def __init__(self, loop):
+        self.loop = loop
+        self.module = loop.model if hasattr(loop, "model") else loop.transformer
+        self.trainable = [p for p in self.module.parameters() if p.requires_grad]
+        self.device = torch.device("cpu")
+
+    def step(self, _prompts) -> dict:
+        self.loop.step()
+        return self.module.stats() if hasattr(self.module, "stats") else {}
+
+
+def measure_loop(name: str, repetitions: int) -> dict:
+    """One row: the loop natively and wrapped, stepped in alternation after two warm-up steps each."""
+    loop_class, config = LOOPS[name]
+    programs = {"native": _Program(loop_class(config, use_leancompile=False)),
+                "wrapped": _Program(loop_class(config, use_leancompile=True))}
+    flops = {}
+    for key, program in programs.items():
+        program.step(None)  # compiles, traces
+        with FlopCounter() as counter:
+            program.step(None)
+        flops[key] = counter.total
+    times, stats = interleaved_times(programs, None, repetitions)
+    backbone, trainer = name.split("/")
+    row = {"backbone": backbone, "trainer": trainer, "tuning": "lora" if backbone == "sd3" else "full",
+           "schedule": "wrap (retain)", **timing_fields(times["native"], times["wrapped"]),
+           "ideal_speedup": flops["native"] / flops["wrapped"], "native_flops": flops["native"],
+           "optimized_flops": flops["wrapped"], "held_bytes": stats["wrapped"].get("retained_bytes", 0),
+           "served_calls": stats["wrapped"]["served_calls"], "recomputed_calls": stats["wrapped"]["recomputed_calls"],
+           "check_fraction": stats["wrapped"]["check_seconds"] / times["wrapped"][-1].wall,
+           "repetitions": repetitions,
+           "max_rel_weight_diff": max_rel_weight_diff(programs["native"], programs["wrapped"])}
+    row["ratio"] = row["speedup"] / row["ideal_speedup"]
+    return row
+
+
+def on_policy(precision: str) -> dict:
+    """The LLM loop's first micro-step: its importance ratio natively (the update's micro-batch of 32 rows against
+    old log-probabilities computed over all 128 at once) and wrapped (served from that very call)."""
+    config = dataclasses.replace(LOOPS["llm/grpo"][1], dtype=torch.float32,
+                                 autocast=torch.bfloat16 if precision == "bf16" else None)
+    row = {"precision": precision, "rollout_rows": config.prompts * config.group, "micro_batch": config.micro_batch}
+    for key, use in (("native", False), ("wrapped", True)):
+        loop = grpo_llm.Loop(config, use_leancompile=use)
+        loop.step()
+        ratio = loop.ratios[0].double()
+        row[f"{key}_max_deviation"] = float((ratio - 1).abs().max())
+        row[f"{key}_clipped"] = float(((ratio - 1).abs() > config.clip).double().mean())
+    return row
+
+
+def loops_markdown(rows: list[dict]) -> str:
+    lines = ["| loop | native s | wrapped s | speedup | ideal (FLOPs) | measured/ideal | calls served | checks | "
+             "max rel weight diff |", "|---|---|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['backbone']}/{r['trainer']} ({r['tuning']}) | {r['native_seconds']:.3f} | "
+              f"{r['optimized_seconds']:.3f} | {r['speedup']:.2f}x | {r['ideal_speedup']:.2f}x | {r['ratio']:.2f} | "
+              f"{r['served_calls']} of {r['served_calls'] + r['recomputed_calls']} | {r['check_fraction']:.1%} | "
+              f"{r['max_rel_weight_diff']:.1e} |" for r in rows]
+    return "\n".join(lines)
+
+
+def on_policy_markdown(rows: list[dict]) -> str:
+    lines = ["| precision | rollout call rows | micro-batch | native max abs(ratio - 1) | native clipped | "
+             "wrapped max abs(ratio - 1) | wrapped clipped |", "|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['precision']} | {r['rollout_rows']} | {r['micro_batch']} | {r['native_max_deviation']:.1e} | "
+              f"{r['native_clipped']:.1%} | {r['wrapped_max_deviation']:.1e} | {r['wrapped_clipped']:.1%} |"
+              for r in rows]
+    return "\n".join(lines)
