@@ -12,6 +12,7 @@ import torch
 from .cases import FAMILIES, QUICK_PAIRS, TRAINERS, TUNINGS, cases
 from .equivalence import train_side_by_side
 from .jobs import run_tasks, single_threaded
+from .loops import LOOPS, QUICK_LOOPS, loops_markdown, measure_loop, on_policy, on_policy_markdown
 from .measure import measure_case
 from .report import equivalence_markdown, machine_line, markdown_table, write_results
 
@@ -45,6 +46,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
     parser.add_argument("--precision", choices=("float32", "bf16"), default="float32",
                         help="bf16: autocast around the backbone, float32 weights (default: float32)")
+    parser.add_argument("--loops", nargs="*", choices=tuple(LOOPS), default=None,
+                        help="the drop-in loops to time with leancompile.wrap (default: " + ", ".join(QUICK_LOOPS)
+                             + "; all with --grid or --full; none: --loops with no name)")
     parser.add_argument("--equivalence-steps", type=int, default=20,
                         help="GRPO steps of the native-vs-auto training run on digits, float64 and bf16 (0: skip)")
     parser.add_argument("--tunings", nargs="+", choices=TUNINGS, default=None,
@@ -89,6 +93,9 @@ def main(argv=None) -> int:
     start = time.perf_counter()
     measured = selected_cases(args)
     tasks = [(measure_case, case, repetitions, tuple(args.schedules), args.min_seconds) for case in measured]
+    loops = args.loops if args.loops is not None else (list(LOOPS) if args.grid or args.full else list(QUICK_LOOPS))
+    tasks += [(measure_loop, name, repetitions) for name in loops]
+    tasks += [(on_policy, precision) for precision in (("float32", "bf16") if loops else ())]
     if args.equivalence_steps > 0:
         tasks += [(train_side_by_side, args.equivalence_steps, precision) for precision in ("float64", "bf16")]
     results = [None] * len(tasks)
@@ -97,10 +104,15 @@ def main(argv=None) -> int:
         for row in result if i < len(measured) else ():
             print(progress(row, seconds), file=sys.stderr, flush=True)
     rows = [row for case_rows in results[:len(measured)] for row in case_rows]
-    equivalence = results[len(measured):]
+    loop_rows = results[len(measured):len(measured) + len(loops)]
+    policy_rows = results[len(measured) + len(loops):len(measured) + len(loops) + (2 if loops else 0)]
+    equivalence = results[len(measured) + len(loops) + len(policy_rows):]
     machine = machine_line(args.jobs)
-    json_path, md_path = write_results(rows, args.out, machine, equivalence)
+    json_path, md_path = write_results(rows, args.out, machine, equivalence, loop_rows, policy_rows)
     print(markdown_table(rows))
+    if loop_rows:
+        print(loops_markdown(loop_rows))
+        print(on_policy_markdown(policy_rows))
     if equivalence:
         print(equivalence_markdown(equivalence))
     print(machine)

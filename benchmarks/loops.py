@@ -30,9 +30,12 @@ class _Program:
         self.module = loop.model if hasattr(loop, "model") else loop.transformer
         self.trainable = [p for p in self.module.parameters() if p.requires_grad]
         self.device = torch.device("cpu")
+        self.random = torch.get_rng_state()  # its own stream of torch's generator (the LLM's ``generate`` draws)
 
     def step(self, _prompts) -> dict:
+        torch.set_rng_state(self.random)
         self.loop.step()
+        self.random = torch.get_rng_state()
         return self.module.stats() if hasattr(self.module, "stats") else {}
 
 

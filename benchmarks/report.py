@@ -8,6 +8,8 @@ from pathlib import Path
 
 import torch
 
+from .loops import loops_markdown, on_policy_markdown
+
 COLUMNS = (
     ("backbone", "backbone", "{}"),
     ("schedule of", "trainer", "{}"),
@@ -65,10 +67,10 @@ def equivalence_markdown(runs: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def results_markdown(rows: list[dict], machine: str, equivalence: list[dict] = ()) -> str:
+def results_markdown(rows: list[dict], machine: str, equivalence: list[dict] = (), loops: str = "") -> str:
     runs = (f"Native and auto trained side by side on the digits task (weights' error relative to native's total "
             f"update):\n\n{equivalence_markdown(equivalence)}\n\n") if equivalence else ""
-    return (f"{markdown_table(rows)}\n\n{runs}"
+    return (f"{markdown_table(rows)}\n\n{loops}{runs}"
             "speedup = median over rounds of native step / optimized step (wall clock; each round runs every program once, "
             "round-robin); native s, optimized s = median step times; ideal = FLOPs "
             "of a native step / FLOPs of an optimized step; CPU-time speedup uses this process's CPU time instead of "
@@ -78,13 +80,19 @@ def results_markdown(rows: list[dict], machine: str, equivalence: list[dict] = (
             f"{machine}\n")
 
 
-def write_results(rows: list[dict], out: Path, machine: str, equivalence: list[dict] = ()) -> tuple[Path, Path]:
+def write_results(rows: list[dict], out: Path, machine: str, equivalence: list[dict] = (), loops: list[dict] = (),
+                  on_policy: list[dict] = ()) -> tuple[Path, Path]:
     out.mkdir(parents=True, exist_ok=True)
     json_path, md_path = out / "results.json", out / "results.md"
     json_path.write_text(json.dumps(rows, indent=2) + "\n")
     if equivalence:
         (out / "equivalence.json").write_text(json.dumps(list(equivalence), indent=2) + "\n")
-    md_path.write_text(results_markdown(rows, machine, equivalence))
+    tables = ""
+    if loops:
+        (out / "loops.json").write_text(json.dumps({"loops": list(loops), "on_policy": list(on_policy)}, indent=2) + "\n")
+        tables = (f"The drop-in loops (examples/), native and wrapped:\n\n{loops_markdown(loops)}\n\n"
+                  f"The LLM loop's first micro-step, importance ratio:\n\n{on_policy_markdown(on_policy)}\n\n")
+    md_path.write_text(results_markdown(rows, machine, equivalence, tables))
     plot_speedups(rows, out / "results.png")
     return json_path, md_path
 

@@ -122,3 +122,15 @@ def test_grid_and_full_are_refused_together(capsys):
     with pytest.raises(SystemExit):
         parse_args(["--grid", "--full"])
     assert "--full" in capsys.readouterr().err
+
+
+def test_a_loop_row_times_the_loop_natively_and_wrapped(monkeypatch):
+    """The loop benchmark's machinery on a small LLM loop: both programs stepped, FLOPs counted, calls served."""
+    from benchmarks import loops
+    from examples import grpo_llm
+
+    monkeypatch.setitem(loops.LOOPS, "llm/grpo", (grpo_llm.Loop, grpo_llm.Config(prompts=2, group=2, micro_batch=2)))
+    row = loops.measure_loop("llm/grpo", repetitions=1)
+    assert row["served_calls"] == 2 and row["recomputed_calls"] == 0
+    assert row["native_flops"] > row["optimized_flops"] > 0  # the update's forwards are gone
+    assert "| llm/grpo (full) |" in loops.loops_markdown([row])
