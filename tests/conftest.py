@@ -65,3 +65,15 @@ def check_served_calls(trainer, marks, every_call_served: bool):
     if every_call_served and before:
         assert any(r.action == "served" for r in before), before
     assert all(r.action == "recomputed" and r.kind in ("weights", "nothing kept", "inputs") for r in after), after
+
+
+def spawn_ranks(worker, world: int, out, *args) -> list:
+    """Run ``worker(rank, port, *args, out)`` in ``world`` processes on a free local port; each writes
+    ``out/rank{rank}.pt``, which is returned in rank order."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    torch.multiprocessing.spawn(worker, args=(port, *args, str(out)), nprocs=world)
+    return [torch.load(out / f"rank{r}.pt") for r in range(world)]

@@ -6,7 +6,6 @@ gradient must agree to float64 rounding, and every optimizer step must synchroni
 """
 import dataclasses
 import os
-import socket
 
 import pytest
 import torch
@@ -17,6 +16,7 @@ from leancompile.trainers import DanceGRPOConfig, FlowGRPOConfig
 from leancompile.trainers.advantages import group_advantages
 from leancompile.trainers.grpo import generator_seeds
 
+from conftest import spawn_ranks
 from test_reweight_equivalence import _build
 
 WORLD = 2
@@ -79,12 +79,7 @@ def _worker(rank, port, cases, out):
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
-    out = tmp_path_factory.mktemp("ranks")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    torch.multiprocessing.spawn(_worker, args=(port, CASES, str(out)), nprocs=WORLD)
-    return [torch.load(out / f"rank{r}.pt") for r in range(WORLD)]
+    return spawn_ranks(_worker, WORLD, tmp_path_factory.mktemp("ranks"), CASES)
 
 
 def _reference(case):

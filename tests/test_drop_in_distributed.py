@@ -2,7 +2,6 @@
 as ``DDP(model)`` and as ``DDP(leancompile.wrap(model))``, each rank on its own questions; the weights after two
 GRPO steps agree to float64 rounding, and the update's calls are served."""
 import os
-import socket
 
 import pytest
 import torch
@@ -10,6 +9,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from examples import grpo_llm
+from conftest import spawn_ranks
 from test_drop_in import DenseRewardLLM
 
 WORLD = 2
@@ -51,12 +51,7 @@ def _worker(rank, port, out):
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
-    out = tmp_path_factory.mktemp("ranks")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    torch.multiprocessing.spawn(_worker, args=(port, str(out)), nprocs=WORLD)
-    return [torch.load(out / f"rank{r}.pt") for r in range(WORLD)]
+    return spawn_ranks(_worker, WORLD, tmp_path_factory.mktemp("ranks"))
 
 
 def test_wrapped_inside_ddp_trains_as_ddp_alone(ranks):

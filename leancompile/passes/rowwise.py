@@ -285,6 +285,8 @@ def _sum_of_product(graph: fx.Graph, total: fx.Node) -> int:
     a, b = node.args
     rows, m, k = a.meta["val"].shape
     n = b.meta["val"].shape[2]
+    if rows < 2:  # one product already: the rewrite would only copy ``a``
+        return 0
     with graph.inserting_before(total):
         left = graph.call_function(aten.reshape.default,
                                    (graph.call_function(aten.permute.default, (a, [1, 0, 2])), [m, rows * k]))
