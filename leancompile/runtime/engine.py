@@ -199,7 +199,9 @@ class ReuseEngine:
             start = time.perf_counter()
             tensor, tree, refusal = output_tensor(output)
             if refusal is None:
-                self._remember(self.reader.read(call), call, tensor.detach(), tree, keys=keys)
+                state = self.reader.read(call)
+                self._drop_stale(state)
+                self._remember(state, call, tensor.detach(), tree, keys=keys)
             self.check_seconds += time.perf_counter() - start
         return output
 
@@ -255,12 +257,16 @@ class ReuseEngine:
             return None, f"row {candidates.index(())}: no kept call has these inputs", "inputs"
         state = self.reader.read(call)
         places, differences = [], Counter()
+        verdicts: dict[int, str | None] = {}  # per kept call: its rows share one state
         for kept_rows in candidates:
             found = None
             for kept, kept_row in kept_rows:
-                difference = kept.state.difference(state)
-                if difference == TRAINING_FLAGS and self._same_program(kept, state, call):
-                    difference = None
+                if id(kept) not in verdicts:
+                    difference = kept.state.difference(state)
+                    if difference == TRAINING_FLAGS and self._same_program(kept, state, call):
+                        difference = None
+                    verdicts[id(kept)] = difference
+                difference = verdicts[id(kept)]
                 if difference is None:
                     found = (kept, kept_row)
                     break
@@ -302,7 +308,10 @@ class ReuseEngine:
         return self._same[pair]
 
     def _drop_stale(self, state: CallState) -> None:
-        """Kept calls made with other weights versions never match again (counters only grow): free them."""
+        """Kept calls made with other weights versions never match again (counters only grow): free them. Every
+        call is kept after this ran, so the kept calls always share one version."""
+        if not self.kept or self.kept[0].state.versions == state.versions:
+            return
         stale = [k for k in self.kept if k.state.versions != state.versions]
         if stale:
             self.kept = [k for k in self.kept if k.state.versions == state.versions]
