@@ -172,7 +172,7 @@ class RowwiseBackbone:
     def forward(self, key: tuple, call: Call) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """The call's output tensor and its saved tensors (row on dimension 0), without autograd."""
         program = self.program(key, call)
-        data = [t.detach() for t in call.tensors]
+        data = [t.detach().contiguous() for t in call.tensors]  # as traced: graphs are shared by shape, not strides
         rows_in = call.tensor_rows
         fw, out_dims = program.forward, (0, *(0 if r else None for r in program.per_row))
 
