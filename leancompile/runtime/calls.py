@@ -80,10 +80,6 @@ class Call:
         leaves = [next(it) if isinstance(leaf, torch.Tensor) else leaf for leaf in self.leaves]
         return pytree.tree_unflatten(leaves, self.spec)
 
-    def first_row(self) -> tuple[tuple, dict]:
-        """The call restricted to its first row."""
-        return self.with_tensors(t[:1] if row else t for t, row in zip(self.tensors, self.tensor_rows))
-
 
 def _named(path, names: frozenset[str]) -> bool:
     """Whether a leaf's path lies under a keyword argument named in ``names``."""
