@@ -7,10 +7,10 @@ import dataclasses
 import torch
 
 from examples import dancegrpo_flux, flowgrpo_sd3, grpo_llm
+from examples.loop_cli import trained_module
 
 from .cases import backbone_sizes
-from .measure import Timing, interleaved_times, max_rel_weight_diff, timing_fields
-from leancompile.cost.workload import FlopCounter
+from .measure import counted_step, interleaved_times, max_rel_weight_diff, timing_fields
 
 # Each loop at the benchmark's sizes (wider than the examples' defaults, see cases.py); the LLM runs its rollout's
 # old log-probabilities over 128 sequences at once and its update in micro-batches of 32.
@@ -27,7 +27,7 @@ class _Program:
 
     def __init__(self, loop):
         self.loop = loop
-        self.module = loop.model if hasattr(loop, "model") else loop.transformer
+        self.module = trained_module(loop)
         self.trainable = [p for p in self.module.parameters() if p.requires_grad]
         self.device = torch.device("cpu")
         self.random = torch.get_rng_state()  # its own stream of torch's generator (the LLM's ``generate`` draws)
@@ -47,9 +47,7 @@ def measure_loop(name: str, repetitions: int) -> dict:
     flops = {}
     for key, program in programs.items():
         program.step(None)  # compiles, traces
-        with FlopCounter() as counter:
-            program.step(None)
-        flops[key] = counter.total
+        flops[key] = counted_step(program, None)[1]
     times, stats = interleaved_times(programs, None, repetitions)
     backbone, trainer = name.split("/")
     row = {"backbone": backbone, "trainer": trainer, "tuning": "lora" if backbone == "sd3" else "full",

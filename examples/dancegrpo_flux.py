@@ -12,7 +12,6 @@ not known yet) and each update call is served from the one with its inputs. Run
 """
 from __future__ import annotations
 
-import argparse
 from dataclasses import dataclass
 
 import torch
@@ -126,11 +125,6 @@ class Loop:
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--native", action="store_true", help="run without leancompile")
-    parser.add_argument("--steps", type=int, default=2)
-    args = parser.parse_args()
-    loop = Loop(use_leancompile=not args.native)
-    print("mean reward per rollout:", ", ".join(f"{loop.step():.4f}" for _ in range(args.steps)))
-    if not args.native:
-        print("calls:", loop.transformer.stats())
+    from loop_cli import run  # beside this script
+
+    run(Loop, __doc__.splitlines()[0], steps=2)

@@ -12,7 +12,6 @@ Run ``python examples/grpo_llm.py [--native] [--steps N]`` (200 steps by default
 """
 from __future__ import annotations
 
-import argparse
 from dataclasses import dataclass
 
 import torch
@@ -114,14 +113,6 @@ class Loop:
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--native", action="store_true", help="run without leancompile")
-    parser.add_argument("--steps", type=int, default=200)
-    args = parser.parse_args()
-    loop = Loop(use_leancompile=not args.native)
-    means = [loop.step() for _ in range(args.steps)]
-    for start in range(0, len(means), 20):
-        window = means[start:start + 20]
-        print(f"steps {start:>4}-{start + len(window) - 1:>4}: mean reward {sum(window) / len(window):.3f}")
-    if not args.native:
-        print("calls:", loop.model.stats())
+    from loop_cli import run  # beside this script
+
+    run(Loop, __doc__.splitlines()[0], steps=200)

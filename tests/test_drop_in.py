@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 import leancompile
 from examples import dancegrpo_flux, flowgrpo_sd3, grpo_llm
+from examples.loop_cli import trained_module
 
 
 
@@ -31,15 +32,11 @@ LOOPS = {
 }
 
 
-def _model(loop):
-    return loop.model if hasattr(loop, "model") else loop.transformer
-
-
 def _run(loop_class, config, use_leancompile: bool, steps: int = 2):
     """``steps`` GRPO steps of the loop with plain SGD (Adam's first steps are sign-like and would hide a
     gradient's difference); returns the loop, its rewards and the gradient each optimizer step applied."""
     loop = loop_class(config, use_leancompile=use_leancompile)
-    params = [p for p in _model(loop).parameters() if p.requires_grad]
+    params = [p for p in trained_module(loop).parameters() if p.requires_grad]
     loop.optimizer = torch.optim.SGD(params, lr=0.05)
     applied = []
     loop.optimizer.register_step_pre_hook(lambda *_: applied.append(torch.cat([p.grad.flatten() for p in params])))
@@ -61,10 +58,10 @@ def test_a_wrapped_loop_trains_exactly_as_its_native_version(name):
     assert len(grads) == len(native_grads)
     for g, g_native in zip(grads, native_grads):
         assert _relative(g, g_native) <= 1e-10
-    weights = torch.cat([p.detach().flatten() for p in _model(wrapped).parameters()])
-    native_weights = torch.cat([p.detach().flatten() for p in _model(native).parameters()])
+    weights = torch.cat([p.detach().flatten() for p in trained_module(wrapped).parameters()])
+    native_weights = torch.cat([p.detach().flatten() for p in trained_module(native).parameters()])
     assert _relative(weights, native_weights) <= 1e-10
-    stats = _model(wrapped).stats()
+    stats = trained_module(wrapped).stats()
     assert stats["served_calls"] == served, stats
 
 
@@ -101,7 +98,7 @@ def test_with_dropout_the_update_in_train_mode_recomputes_what_the_rollout_ran_i
     class WithDropout(flowgrpo_sd3.Loop):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
-            for module in _model(self).modules():
+            for module in trained_module(self).modules():
                 if isinstance(module, torch.nn.Dropout):
                     module.p = 0.1
 
@@ -112,7 +109,7 @@ def test_with_dropout_the_update_in_train_mode_recomputes_what_the_rollout_ran_i
     _, _, native_grads = _run(WithDropout, config, False, steps=1)
     wrapped, _, grads = _run(WithDropout, config, True, steps=1)
     assert _relative(grads[0], native_grads[0]) <= 1e-10
-    stats = _model(wrapped).stats()
+    stats = trained_module(wrapped).stats()
     assert stats["served_calls"] == 0 and stats["recompute_reasons"].get("training flags", 0) > 0, stats
 
 
@@ -129,7 +126,7 @@ def test_the_wrapper_draws_nothing_from_torchs_generator():
 
 def test_calls_are_kept_up_to_the_memory_limit_then_run_natively():
     loop = grpo_llm.Loop(grpo_llm.Config())
-    model = leancompile.wrap(_model(loop).module, memory_limit=1)
+    model = leancompile.wrap(trained_module(loop).module, memory_limit=1)
     sequences = torch.randint(0, 10, (4, 6), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         for _ in range(2):

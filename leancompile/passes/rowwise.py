@@ -127,24 +127,21 @@ def fold_per_row_calls(gm: fx.GraphModule) -> FoldResult:
 
         %all = sdpa(reshape(%q, [R, ...]), ...); %o = reshape(%all[0], [R, 1, ...])
     """
-    groups: dict[tuple, list[fx.Node]] = {}
+    groups: dict[tuple, list[tuple[int, fx.Node]]] = {}  # (operator, inputs but the row) -> (row, call) ...
     for node in gm.graph.nodes:
         if node.op == "call_function" and node.target in _BATCH_FIRST:
-            key = _row_call_key(node)
-            if key is not None:
-                groups.setdefault(key[0], []).append((key[1], node))
+            sources = _row_sources(node)
+            if sources is not None:
+                groups.setdefault((node.target, sources[1]), []).append((sources[0], node))
     folded = calls = 0
-    for rows in groups.values():
+    for (_, pattern), rows in groups.items():
         rows.sort(key=lambda r: r[0])
-        if [i for i, _ in rows] != list(range(len(rows))) or len(rows) < 2:
+        total = next(source.meta["val"].shape[0] for kind, source in pattern if kind == "row")
+        if [i for i, _ in rows] != list(range(total)) or total < 2:  # every row once, or nothing to fold
             continue
-        nodes = [n for _, n in rows]
-        sources = _row_sources(nodes[0])
-        if sources is None or any(sources[1] != _row_sources(n)[1] for n in nodes):
-            continue
-        _fold(gm, nodes, len(rows))
+        _fold(gm, [n for _, n in rows], total)
         folded += 1
-        calls += len(rows)
+        calls += total
     if folded:
         _stacks_of_rows_to_views(gm)
         gm.graph.eliminate_dead_code()
@@ -153,8 +150,9 @@ def fold_per_row_calls(gm: fx.GraphModule) -> FoldResult:
 
 
 def _row_sources(node: fx.Node):
-    """``(row, shape of what every row shares)`` of a per-row call: each tensor input is ``select(X, 0, row)`` of
-    an input ``X`` whose rows have a leading 1, or the same node for every row. None if it is not such a call."""
+    """``(row, inputs)`` of a per-row call: each tensor input is ``select(X, 0, row)`` of an input ``X`` whose rows
+    have a leading 1 (``("row", X)``), or the same for every row (``("same", input)``). None if it is not such a
+    call."""
     row, pattern = None, []
     for arg in [*node.args, *node.kwargs.values()]:
         if isinstance(arg, fx.Node) and arg.target is aten.select.int and arg.args[1] == 0:
@@ -167,15 +165,6 @@ def _row_sources(node: fx.Node):
         else:
             pattern.append(("same", arg))
     return (row, tuple(pattern)) if row is not None else None
-
-
-def _row_call_key(node: fx.Node):
-    """``(group, row)``: calls of one group differ only in the row they select."""
-    sources = _row_sources(node)
-    if sources is None:
-        return None
-    row, pattern = sources
-    return (node.target, pattern), row
 
 
 def _fold(gm: fx.GraphModule, nodes: list[fx.Node], rows: int) -> None:

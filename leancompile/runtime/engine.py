@@ -280,7 +280,7 @@ class ReuseEngine:
             return None, f"the kept call with these inputs differs in {kind}", kind
         match = Match(tuple(places))
         for kept, rows, positions in match.by_call():
-            here, there = _Rows(positions, len(keys)), _Rows(rows, len(kept.output))
+            here, there = RowPick(positions), RowPick(rows)
             if not all(torch.equal(here.of(mine), there.of(theirs)) for mine, theirs in zip(call.row_inputs, kept.inputs)):
                 return None, "inputs equal in digest but not bitwise", "inputs"
             if not all(torch.equal(mine, theirs) for mine, theirs in zip(call.whole_inputs, kept.whole)):
@@ -367,16 +367,19 @@ class ReuseEngine:
         return stats
 
 
-class _Rows:
-    """Rows of tensors that have ``total`` rows: an index made once per device, none where they are all, in order."""
+class RowPick:
+    """Rows ``rows`` of tensors with their rows on dimension 0: a slice where they are consecutive (a view, no copy),
+    else an index made once per device."""
 
-    def __init__(self, rows: list[int], total: int):
-        self.rows = None if rows == list(range(total)) else rows
+    def __init__(self, rows: list[int]):
+        consecutive = rows == list(range(rows[0], rows[0] + len(rows)))
+        self.slice = slice(rows[0], rows[0] + len(rows)) if consecutive else None
+        self.rows = rows
         self.index: dict = {}
 
     def of(self, t: torch.Tensor) -> torch.Tensor:
-        if self.rows is None:
-            return t
+        if self.slice is not None:
+            return t[self.slice]
         if t.device not in self.index:
             self.index[t.device] = torch.tensor(self.rows, device=t.device)
         return t[self.index[t.device]]

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .engine import KeptCall, Match, ReuseEngine, Schedule
+from .engine import KeptCall, Match, ReuseEngine, RowPick, Schedule
 
 
 @dataclass
@@ -67,28 +67,19 @@ class Retain(Schedule):
             if not parts:
                 continue
             # One pick per kept call (a slice where its rows are consecutive), then one gather per saved tensor.
-            first = per_row.index(True) if any(per_row) else None
-            picks = [_pick(rows, kept.rows.saved[first].device if first is not None else device)
-                     for kept, rows in parts]
+            picks = [RowPick(rows) for _, rows in parts]
             saved = []
             for i, row in enumerate(per_row):
                 if not row:
                     saved.append(kept0.rows.saved[i])
                     continue
-                pieces = [kept.rows.saved[i][pick] for (kept, _), pick in zip(parts, picks)]
+                pieces = [pick.of(kept.rows.saved[i]) for (kept, _), pick in zip(parts, picks)]
                 # Contiguous, as the graphs were traced on (a slice of a transposed tensor is not).
                 gathered = pieces[0].contiguous() if len(pieces) == 1 else torch.cat(pieces)
                 saved.append(gathered if gathered.device == device else gathered.to(device))
-            grads = kept0.rowwise.backward(kept0.key, saved, cotangent[_pick(positions, device)].contiguous())
+            grads = kept0.rowwise.backward(kept0.key, saved, RowPick(positions).of(cotangent).contiguous())
             total = grads if total is None else [a + b for a, b in zip(total, grads)]
         return total if total is not None else [torch.zeros_like(p) for p in engine.trainable(match)]
-
-
-def _pick(rows: list[int], device) -> slice | torch.Tensor:
-    """An index of ``rows``: a slice (a view, no copy) where they are consecutive."""
-    if rows == list(range(rows[0], rows[0] + len(rows))):
-        return slice(rows[0], rows[0] + len(rows))
-    return torch.tensor(rows, device=device)
 
 
 def _by_program(match: Match) -> list[list]:

@@ -11,8 +11,10 @@ the one-row backward of each, run on ``saved[R]``, with each parameter's gradien
 kept per row (Reweight's per-sample gradients, for every kind of parameter).
 
 Graphs are compiled per row signature (shapes without the batch, dtypes, autocast, module state) and traced per
-batch size; the batch-1 partition runs the simplifying passes of :mod:`leancompile.runtime.partition` and
-:func:`~leancompile.passes.rowwise.prepare_for_rows`, the traced graphs the matrix-product order pass.
+batch size; the batch-1 partition runs the simplifying passes of :mod:`leancompile.passes.identities` and
+:func:`~leancompile.passes.rowwise.prepare_for_rows`; the traced graphs run
+:func:`~leancompile.passes.rowwise.fold_per_row_calls`, :func:`~leancompile.passes.rowwise.sum_products_over_rows`
+and the matrix-product order pass.
 """
 from __future__ import annotations
 
@@ -149,8 +151,8 @@ class RowwiseBackbone:
             shared = (self._programs[key[0]].digest, key[1:], self.tune_matmuls,
                       tuple((tuple(t.shape), t.dtype, t.device) for t in leaves))
             if shared not in _TRACES:
-                # Kernels without a batching rule (the CPU attention backward) trace as one call per row: what
-                # native's backward of those rows computes anyway. PyTorch warns about it; it is expected here.
+                # Kernels without a batching rule (the CPU attention kernels) trace as one call per row, which
+                # fold_per_row_calls folds back into one. PyTorch warns about it; it is expected here.
                 device = leaves[-1].device  # the last data input (forward) or the cotangent (backward)
                 with torch.autocast(device.type, enabled=False), warnings.catch_warnings():
                     warnings.filterwarnings("ignore", message="There is a performance drop")
