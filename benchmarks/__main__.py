@@ -94,8 +94,8 @@ def main(argv=None) -> int:
     measured = selected_cases(args)
     tasks = [(measure_case, case, repetitions, tuple(args.schedules), args.min_seconds) for case in measured]
     loops = args.loops if args.loops is not None else (list(LOOPS) if args.grid or args.full else list(QUICK_LOOPS))
-    tasks += [(measure_loop, name, repetitions) for name in loops]
-    tasks += [(on_policy, precision) for precision in (("float32", "bf16") if loops else ())]
+    tasks += [(measure_loop, name, repetitions, args.device) for name in loops]
+    tasks += [(on_policy, precision, args.device) for precision in (("float32", "bf16") if loops else ())]
     if args.equivalence_steps > 0:
         tasks += [(train_side_by_side, args.equivalence_steps, precision) for precision in ("float64", "bf16")]
     results = [None] * len(tasks)

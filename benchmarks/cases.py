@@ -30,6 +30,17 @@ _QUICK_SIZES = {
                 text_len=16),
 }
 
+# On a GPU, at the quick sizes every kernel is launch-bound; these are wide enough (hidden size 1024, 1024 image
+# tokens; Wan 2 frames of them) for the matrix products to be most of a step.
+_GPU_SIZES = {
+    "flux": dict(attention_head_dim=64, num_attention_heads=16, joint_attention_dim=256, axes_dims_rope=(8, 28, 28),
+                 num_layers=1, num_single_layers=2, height=64, width=64, text_len=64),
+    "sd3": dict(attention_head_dim=64, num_attention_heads=16, joint_attention_dim=256, caption_projection_dim=1024,
+                height=64, width=64, text_len=64, sample_size=64, pos_embed_max_size=64),
+    "wan": dict(attention_head_dim=64, num_attention_heads=16, text_dim=256, ffn_dim=4096, height=64, width=64,
+                text_len=64),
+}
+
 
 @dataclass(frozen=True)
 class Case:
@@ -74,8 +85,8 @@ def trainer_config(trainer: str, num_samples: int, tuning: str = "lora", seed: i
     raise ValueError(f"trainer must be one of {TRAINERS}; got {trainer!r}")
 
 
-def backbone_sizes(family: str, full: bool = False) -> dict:
-    sizes = dict(_QUICK_SIZES[family])
+def backbone_sizes(family: str, full: bool = False, device: str = "cpu") -> dict:
+    sizes = dict((_GPU_SIZES if device == "cuda" else _QUICK_SIZES)[family])
     if full:
         sizes.update(height=2 * sizes["height"], width=2 * sizes["width"])
     return sizes
@@ -89,6 +100,6 @@ def cases(full: bool = False, families=FAMILIES, trainers=TRAINERS, tunings=TUNI
     num_samples = len(PROMPTS) * GROUP_SIZE
     numerics = {"mixed_precision": "bf16"} if precision == "bf16" else {}
     return [Case(family, trainer, replace(trainer_config(trainer, num_samples, tuning), **numerics),
-                 {} if smallest else backbone_sizes(family, full), device=device)
+                 {} if smallest else backbone_sizes(family, full, device), device=device)
             for family in families for trainer in trainers if pairs is None or (family, trainer) in pairs
             for tuning in tunings]

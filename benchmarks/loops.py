@@ -22,6 +22,16 @@ LOOPS = {
 QUICK_LOOPS = ("llm/grpo",)
 
 
+def _on(device: str, name: str, config):
+    """A loop's config on ``device``, at the benchmark's GPU sizes there (see cases.py)."""
+    if device != "cuda":
+        return config
+    backbone = name.split("/")[0]
+    wider = ({"hidden": 1024} if backbone == "llm"
+             else {"sizes": tuple(backbone_sizes(backbone, device=device).items())})
+    return dataclasses.replace(config, device=device, **wider)
+
+
 class _Program:
     """A loop seen as the benchmark's programs are: ``step(prompts)`` and ``trainable``."""
 
@@ -29,19 +39,24 @@ class _Program:
         self.loop = loop
         self.module = trained_module(loop)
         self.trainable = [p for p in self.module.parameters() if p.requires_grad]
-        self.device = torch.device("cpu")
-        self.random = torch.get_rng_state()  # its own stream of torch's generator (the LLM's ``generate`` draws)
+        self.device = self.trainable[0].device
+        self.cuda = self.device.type == "cuda"
+        # its own stream of torch's generators (the LLM's ``generate`` draws on the model's device)
+        self.random = (torch.get_rng_state(), torch.cuda.get_rng_state(self.device) if self.cuda else None)
 
     def step(self, _prompts) -> dict:
-        torch.set_rng_state(self.random)
+        torch.set_rng_state(self.random[0])
+        if self.cuda:
+            torch.cuda.set_rng_state(self.random[1], self.device)
         self.loop.step()
-        self.random = torch.get_rng_state()
+        self.random = (torch.get_rng_state(), torch.cuda.get_rng_state(self.device) if self.cuda else None)
         return self.module.stats() if hasattr(self.module, "stats") else {}
 
 
-def measure_loop(name: str, repetitions: int) -> dict:
+def measure_loop(name: str, repetitions: int, device: str = "cpu") -> dict:
     """One row: the loop natively and wrapped, stepped in alternation after two warm-up steps each."""
     loop_class, config = LOOPS[name]
+    config = _on(device, name, config)
     programs = {"native": _Program(loop_class(config, use_leancompile=False)),
                 "wrapped": _Program(loop_class(config, use_leancompile=True))}
     flops = {}
@@ -62,12 +77,13 @@ def measure_loop(name: str, repetitions: int) -> dict:
     return row
 
 
-def on_policy(precision: str) -> dict:
+def on_policy(precision: str, device: str = "cpu") -> dict:
     """The LLM loop's first micro-step: its importance ratio natively (the update's micro-batch of 32 rows against
     old log-probabilities computed over all 128 at once) and wrapped (served from that very call)."""
-    config = dataclasses.replace(LOOPS["llm/grpo"][1], dtype=torch.float32,
+    config = dataclasses.replace(_on(device, "llm/grpo", LOOPS["llm/grpo"][1]), dtype=torch.float32,
                                  autocast=torch.bfloat16 if precision == "bf16" else None)
-    row = {"precision": precision, "rollout_rows": config.prompts * config.group, "micro_batch": config.micro_batch}
+    row = {"precision": precision, "device": device, "rollout_rows": config.prompts * config.group,
+           "micro_batch": config.micro_batch}
     for key, use in (("native", False), ("wrapped", True)):
         loop = grpo_llm.Loop(config, use_leancompile=use)
         loop.step()

@@ -34,6 +34,7 @@ class Config:
     seed: int = 0
     dtype: torch.dtype = torch.float32
     sizes: tuple = ()  # overrides of the tiny Flux config, as (key, value) pairs
+    device: str = "cpu"
 
 
 class Loop:
@@ -42,7 +43,7 @@ class Loop:
     def __init__(self, config: Config = Config(), use_leancompile: bool = True):
         self.config = c = config
         base = backbones.tiny("flux", seed=c.seed, dtype=c.dtype, **dict(c.sizes))
-        self.transformer = base.model
+        self.transformer = base.model.to(c.device)
         self.transformer.enable_gradient_checkpointing()
         self.optimizer = torch.optim.AdamW(self.transformer.parameters(), lr=1e-5, weight_decay=1e-4)
         if use_leancompile:
@@ -52,21 +53,26 @@ class Loop:
         self.channels = channels * 4  # 2x2 patches, packed as the Flux pipeline packs them
         rows = torch.arange(height // 2, dtype=torch.float32)[:, None].expand(height // 2, width // 2)
         cols = torch.arange(width // 2, dtype=torch.float32)[None, :].expand(height // 2, width // 2)
-        self.img_ids = torch.stack([torch.zeros_like(rows), rows, cols], -1).reshape(-1, 3)
+        self.img_ids = torch.stack([torch.zeros_like(rows), rows, cols], -1).reshape(-1, 3).to(c.device)
         text = base.dummy_conditioning(c.prompts, torch.Generator().manual_seed(c.seed), dtype=c.dtype)
-        self.embeds, self.pooled = text.text, text.pooled
-        self.txt_ids = torch.zeros(self.embeds.shape[1], 3)
-        self.target = torch.randn((self.tokens, self.channels), generator=torch.Generator().manual_seed(c.seed + 1),
-                                  dtype=c.dtype)
-        self.sigmas = shifted_sigmas(c.num_steps, 3.0, c.dtype)
+        self.embeds, self.pooled = text.text.to(c.device), text.pooled.to(c.device)
+        self.txt_ids = torch.zeros(self.embeds.shape[1], 3, device=c.device)
+        self.target = self.noise((self.tokens, self.channels), torch.Generator().manual_seed(c.seed + 1))
+        self.sigmas = shifted_sigmas(c.num_steps, 3.0, c.dtype).to(c.device)
         self.generator = torch.Generator().manual_seed(c.seed)
+
+    def noise(self, shape, generator=None) -> torch.Tensor:
+        """Gaussian noise drawn on the CPU (the same on every device), on the loop's device."""
+        c = self.config
+        return torch.randn(shape, generator=generator or self.generator, dtype=c.dtype).to(c.device)
 
     def velocity(self, latents, sigma, prompt: int):
         """One transformer call as DanceGRPO makes it (a batch of one)."""
         return self.transformer(hidden_states=latents, encoder_hidden_states=self.embeds[prompt:prompt + 1],
                                 pooled_projections=self.pooled[prompt:prompt + 1],
                                 timestep=quantized_timestep(sigma).expand(1),
-                                guidance=torch.full((1,), self.config.guidance, dtype=latents.dtype),
+                                guidance=torch.full((1,), self.config.guidance, dtype=latents.dtype,
+                                                    device=latents.device),
                                 txt_ids=self.txt_ids, img_ids=self.img_ids, return_dict=False)[0]
 
     @torch.no_grad()
@@ -76,13 +82,12 @@ class Loop:
         latents_all, log_probs_all = [], []
         for prompt in range(c.prompts):
             for _ in range(c.group):
-                latents = torch.randn((1, self.tokens, self.channels), generator=self.generator, dtype=c.dtype)
+                latents = self.noise((1, self.tokens, self.channels))
                 trajectory, log_probs = [latents], []
                 for i in range(c.num_steps):
                     v = self.velocity(latents, self.sigmas[i], prompt)
-                    noise = torch.randn(latents.shape, generator=self.generator, dtype=c.dtype)
                     step = dance_step(latents, v, self.sigmas[i].expand(1), self.sigmas[i + 1].expand(1), c.eta,
-                                      noise=noise)
+                                      noise=self.noise(latents.shape))
                     latents = step.prev_sample
                     trajectory.append(latents)
                     log_probs.append(step.log_prob)

@@ -36,6 +36,7 @@ class Config:
     seed: int = 0
     dtype: torch.dtype = torch.float32
     sizes: tuple = ()  # overrides of the tiny SD3 config, as (key, value) pairs
+    device: str = "cpu"
 
 
 class Loop:
@@ -47,17 +48,23 @@ class Loop:
         torch.manual_seed(c.seed)
         lora = LoraConfig(r=4, lora_alpha=4, init_lora_weights="gaussian",
                           target_modules=["to_q", "to_k", "to_v", "to_out.0"])
-        self.transformer = get_peft_model(base.model, lora)
+        self.transformer = get_peft_model(base.model, lora).to(c.device)
         self.optimizer = torch.optim.AdamW([p for p in self.transformer.parameters() if p.requires_grad], lr=1e-3)
         if use_leancompile:
             self.transformer = leancompile.wrap(self.transformer)  # leancompile
         text = base.dummy_conditioning(c.prompts + 1, torch.Generator().manual_seed(c.seed), dtype=c.dtype)
-        self.embeds, self.pooled = text.text[1:], text.pooled[1:]
-        self.negative = (text.text[:1], text.pooled[:1])
+        text_embeds, pooled = text.text.to(c.device), text.pooled.to(c.device)
+        self.embeds, self.pooled = text_embeds[1:], pooled[1:]
+        self.negative = (text_embeds[:1], pooled[:1])
         self.latent_shape = base.latent_shape
-        self.target = torch.randn(base.latent_shape, generator=torch.Generator().manual_seed(c.seed + 1), dtype=c.dtype)
-        self.sigmas = shifted_sigmas(c.num_steps, 3.0, c.dtype)
+        self.target = self.noise(base.latent_shape, torch.Generator().manual_seed(c.seed + 1))
+        self.sigmas = shifted_sigmas(c.num_steps, 3.0, c.dtype).to(c.device)
         self.generator = torch.Generator().manual_seed(c.seed)
+
+    def noise(self, shape, generator=None) -> torch.Tensor:
+        """Gaussian noise drawn on the CPU (the same on every device), on the loop's device."""
+        c = self.config
+        return torch.randn(shape, generator=generator or self.generator, dtype=c.dtype).to(c.device)
 
     def guided(self, latents, timesteps, embeds, pooled):
         """The guided velocity: one transformer call on the doubled batch (unconditional rows first)."""
@@ -75,15 +82,14 @@ class Loop:
         c, batch = self.config, self.config.sample_batch
         samples = []
         for start in range(0, c.prompts * c.group, batch):
-            rows = torch.arange(start, start + batch) // c.group
-            latents = torch.randn((batch, *self.latent_shape), generator=self.generator, dtype=c.dtype)
+            rows = torch.arange(start, start + batch, device=c.device) // c.group
+            latents = self.noise((batch, *self.latent_shape))
             all_latents, log_probs, timesteps = [latents], [], []
             for i in range(c.num_steps):
                 t = (self.sigmas[i] * 1000).expand(batch)
                 v = self.guided(latents, t, self.embeds[rows], self.pooled[rows])
-                noise = torch.randn(latents.shape, generator=self.generator, dtype=c.dtype)
                 step = flow_sde_step(latents, v, self.sigmas[i].expand(batch), self.sigmas[i + 1].expand(batch),
-                                     c.noise_level, noise=noise)
+                                     c.noise_level, noise=self.noise(latents.shape))
                 latents = step.prev_sample
                 all_latents.append(latents)
                 log_probs.append(step.log_prob)

@@ -35,6 +35,7 @@ class Config:
     seed: int = 0
     dtype: torch.dtype = torch.float32
     autocast: torch.dtype | None = None  # e.g. torch.bfloat16: the loop's forwards run under autocast
+    device: str = "cpu"
 
 
 class Loop:
@@ -47,7 +48,7 @@ class Loop:
                                    num_hidden_layers=c.layers, num_attention_heads=4, num_key_value_heads=2,
                                    max_position_embeddings=16,
                                    bos_token_id=BOS, eos_token_id=EOS, pad_token_id=PAD)
-        self.model = LlamaForCausalLM(model_config).to(c.dtype)
+        self.model = LlamaForCausalLM(model_config).to(c.device, c.dtype)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=c.lr)
         if use_leancompile:
             self.model = leancompile.wrap(self.model)  # leancompile
@@ -58,7 +59,7 @@ class Loop:
         a, b = torch.randint(0, 10, (2, self.config.prompts), generator=self.generator)
         questions = torch.stack([torch.full_like(a, BOS), a, torch.full_like(a, COMMA), b, torch.full_like(a, EQUALS)],
                                 1)
-        return questions, torch.maximum(a, b)
+        return questions.to(self.config.device), torch.maximum(a, b).to(self.config.device)
 
     @torch.no_grad()
     def rollout(self, questions: torch.Tensor):
@@ -81,7 +82,8 @@ class Loop:
     def token_log_probs(self, sequences, mask) -> torch.Tensor:
         """Log-probability of each token given the ones before it (the first token has none: dropped)."""
         autocast = self.config.autocast
-        with torch.autocast("cpu", dtype=autocast or torch.bfloat16, enabled=autocast is not None):
+        with torch.autocast(torch.device(self.config.device).type, dtype=autocast or torch.bfloat16,
+                            enabled=autocast is not None):
             logits = self.model(input_ids=sequences, attention_mask=mask, use_cache=False).logits[:, :-1]
         return torch.log_softmax(logits.to(self.config.dtype), -1).gather(-1, sequences[:, 1:, None]).squeeze(-1)
 
