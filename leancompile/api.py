@@ -197,7 +197,7 @@ def _reweight_refusal(linearity, cast_only: bool) -> str | None:
     if not linearity.row_mean:
         return "Reweight refused: the loss sums over the micro-batch's rows; Reweight reads a mean"
     if cast_only:
-        return "Reweight refused: the update's numerics differ from the rollout's (casts), so ratio != 1"
+        return "Reweight refused: the update's numerics differ from the rollout's (casts or kernels), so ratio != 1"
     return None
 
 

@@ -131,12 +131,14 @@ def _fake_copy(backbone, mode: FakeTensorMode, device_type: str):
 
 
 def _fake_inputs(backbone, batch: int, mode: FakeTensorMode):
-    dtype = next(backbone.parameters()).dtype
+    """Inputs of one call, with the dtype and on the device of ``backbone``'s (fake) parameters."""
+    weight = next(backbone.parameters())
+    like = dict(dtype=weight.dtype, device=weight.device)
     with mode:
-        x = torch.empty(batch, *backbone.latent_shape, dtype=dtype)
-        sigma = torch.empty(batch, dtype=dtype)
-        text = torch.empty(batch, *backbone.text_shape, dtype=dtype)
-        pooled = None if backbone.pooled_dim is None else torch.empty(batch, backbone.pooled_dim, dtype=dtype)
+        x = torch.empty(batch, *backbone.latent_shape, **like)
+        sigma = torch.empty(batch, **like)
+        text = torch.empty(batch, *backbone.text_shape, **like)
+        pooled = None if backbone.pooled_dim is None else torch.empty(batch, backbone.pooled_dim, **like)
     return x, sigma, Conditioning(text, pooled)
 
 

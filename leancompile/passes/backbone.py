@@ -59,9 +59,26 @@ def _hash_constant(value) -> str:
     return repr(value)
 
 
+# Arguments that choose only which extra outputs an attention kernel writes: a no-grad rollout asks for no
+# log-sum-exp, an update that saves for its backward asks for one. The mem-efficient kernel computes its output
+# the same way either way; cuDNN builds another graph (which may round differently), so there the flag is a
+# numerics-only difference, like a cast. Positional index of the flag per op.
+_OUTPUT_NEUTRAL_FLAGS = {"_scaled_dot_product_efficient_attention.default": 4}
+_NUMERICS_NEUTRAL_FLAGS = {"_scaled_dot_product_cudnn_attention.default": 4}
+
+
+def _hashed_args(node: fx.Node, numerics_neutral: bool) -> tuple:
+    name = op_name(node)
+    flag = _OUTPUT_NEUTRAL_FLAGS.get(name, _NUMERICS_NEUTRAL_FLAGS.get(name) if numerics_neutral else None)
+    if flag is None or len(node.args) <= flag:
+        return node.args
+    return (*node.args[:flag], None, *node.args[flag + 1:])
+
+
 def structural_hashes(gm: fx.GraphModule, ignore_casts: bool = False) -> dict[fx.Node, str]:
     """The Merkle hash of every node (see the module docstring). With ``ignore_casts`` a dtype cast hashes as its
-    input, so two programs that differ only in casts (e.g. an fp16 round trip before the backbone) match."""
+    input, and cuDNN attention with and without its log-sum-exp alike, so two programs that differ only in
+    numerics (e.g. an fp16 round trip before the backbone) match."""
     hashes: dict[fx.Node, str] = {}
 
     def arg_key(a):
@@ -80,7 +97,7 @@ def structural_hashes(gm: fx.GraphModule, ignore_casts: bool = False) -> dict[fx
             hashes[node] = hashes[node.args[0]]
             continue
         else:
-            key = op_name(node) + arg_key(node.args) + arg_key(tuple(sorted(node.kwargs.items())))
+            key = op_name(node) + arg_key(_hashed_args(node, ignore_casts)) + arg_key(tuple(sorted(node.kwargs.items())))
         hashes[node] = hashlib.sha1(key.encode()).hexdigest()
     return hashes
 

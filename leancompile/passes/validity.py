@@ -64,8 +64,9 @@ def check_validity(rollout: fx.GraphModule, update: fx.GraphModule, pair: tuple[
         findings.append(Finding("numerics", f"autocast differs: rollout {r_call.autocast}, update {u_call.autocast}; "
                                 "reuse keeps the rollout's numerics", strict))
     if cast_only:
-        findings.append(Finding("numerics", "the rollout and the update cast the backbone's inputs differently; "
-                                "reuse keeps the rollout's numerics", strict))
+        findings.append(Finding("numerics", "the rollout and the update differ in numerics only (dtype casts of the "
+                                "backbone's inputs, or cuDNN attention's training graph); reuse keeps the rollout's "
+                                "numerics", strict))
     for f in findings:
         u_nodes[0].meta.setdefault(FINDING, []).append(f)
     return Validity(tuple(findings))
