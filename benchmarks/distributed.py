@@ -56,7 +56,7 @@ def _worker(rank, world, port, selected, repetitions, out):
         flops = {name: counted_step(trainer, prompts)[1] for name, trainer in programs.items()}  # as measure_case
         times, stats = interleaved_times(programs, prompts, repetitions)
         native = programs["native"]
-        for schedule in SCHEDULES:
+        for schedule in (s for s in SCHEDULES if s in programs):
             s = stats[schedule]
             row = {"backbone": case.backbone, "trainer": case.trainer, "tuning": case.tuning, "schedule": schedule,
                    "runs": programs[schedule].plan.schedule, "parallel": case.config.parallel, "world_size": world,

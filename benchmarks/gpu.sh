@@ -17,7 +17,8 @@ fi
 OUT_DIR=${GPU_OUT:-bench-out/gpu}
 mkdir -p "$OUT_DIR"
 export PYTHONUNBUFFERED=1
-"$PY" -c "import torch; p = torch.cuda.get_device_properties(0); print(f'GPU: {p.name}, {p.total_memory / 2**30:.0f} GiB, torch {torch.__version__}')"
+"$PY" -c "import torch; p = torch.cuda.get_device_properties(0)
+print(f'GPU: {p.name}, {p.total_memory / 2**30:.0f} GiB, torch {torch.__version__}')"
 timeout "${TEST_SECONDS:-600}" "$PY" -m pytest -q -p no:cacheprovider -n "${TEST_WORKERS:-4}" tests/test_cuda.py \
     2>&1 | grep -v "^DEBUG" | tee "$OUT_DIR/tests.log"
 tests=${PIPESTATUS[0]}

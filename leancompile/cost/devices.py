@@ -41,27 +41,37 @@ class Device:
         return self.free if self.free is not None else self.memory
 
 
-def _gpu(name, memory_gib, bandwidth, bf16, fp32, link, source) -> Device:
-    return Device(name, memory_gib * GiB, bandwidth, (("bf16", bf16 * _TFLOPS), ("fp32", fp32 * _TFLOPS)), link,
-                  source=source)
+def _gpu(name, memory_gib, bandwidth, bf16, fp32, fp64, link, source) -> Device:
+    return Device(name, memory_gib * GiB, bandwidth,
+                  (("bf16", bf16 * _TFLOPS), ("fp32", fp32 * _TFLOPS), ("fp64", fp64 * _TFLOPS)), link, source=source)
+
+
+# GA102 and AD102 (RTX A6000, L40S, RTX 4090) run FP64 at 1/64 of their FP32 rate (CUDA C++ Programming Guide,
+# arithmetic instruction throughput for compute capability 8.6 and 8.9); their datasheets list no FP64 figure.
+_CONSUMER_FP64 = 1 / 64
 
 
 DEVICES: dict[str, Device] = {d.name: d for d in (
-    _gpu("a100-40gb", 40, 1555 * _GB, 312, 19.5, 32 * _GB,
-         "NVIDIA A100 Tensor Core GPU datasheet: 40GB HBM2, 1,555 GB/s; BF16 312 TFLOPS, FP32 19.5; PCIe Gen4"),
-    _gpu("a100-80gb", 80, 2039 * _GB, 312, 19.5, 32 * _GB,
-         "NVIDIA A100 Tensor Core GPU datasheet: 80GB HBM2e, 2,039 GB/s; BF16 312 TFLOPS, FP32 19.5; PCIe Gen4"),
-    _gpu("h100-80gb", 80, 3350 * _GB, 989, 67, 64 * _GB,
-         "NVIDIA H100 Tensor Core GPU datasheet (SXM): 80GB HBM3, 3.35 TB/s; BF16 989 TFLOPS, FP32 67; PCIe Gen5"),
-    _gpu("h200-141gb", 141, 4800 * _GB, 989, 67, 64 * _GB,
-         "NVIDIA H200 Tensor Core GPU datasheet (SXM): 141GB HBM3e, 4.8 TB/s; BF16 989 TFLOPS, FP32 67; PCIe Gen5"),
-    _gpu("b200-180gb", 180, 8000 * _GB, 2250, 75, 64 * _GB,
-         "NVIDIA HGX B200 datasheet, per GPU: 180GB HBM3e, 8 TB/s; BF16 2.25 PFLOPS, FP32 75 TFLOPS; PCIe Gen5"),
-    _gpu("rtx-a6000", 48, 768 * _GB, 154.8, 38.7, 32 * _GB,
+    _gpu("a100-40gb", 40, 1555 * _GB, 312, 19.5, 19.5, 32 * _GB,
+         "NVIDIA A100 Tensor Core GPU datasheet: 40GB HBM2, 1,555 GB/s; BF16 312 TFLOPS, FP32 19.5, FP64 Tensor Core "
+         "19.5; PCIe Gen4"),
+    _gpu("a100-80gb", 80, 2039 * _GB, 312, 19.5, 19.5, 32 * _GB,
+         "NVIDIA A100 Tensor Core GPU datasheet: 80GB HBM2e, 2,039 GB/s; BF16 312 TFLOPS, FP32 19.5, FP64 Tensor "
+         "Core 19.5; PCIe Gen4"),
+    _gpu("h100-80gb", 80, 3350 * _GB, 989, 67, 67, 64 * _GB,
+         "NVIDIA H100 Tensor Core GPU datasheet (SXM): 80GB HBM3, 3.35 TB/s; BF16 989 TFLOPS, FP32 67, FP64 Tensor "
+         "Core 67; PCIe Gen5"),
+    _gpu("h200-141gb", 141, 4800 * _GB, 989, 67, 67, 64 * _GB,
+         "NVIDIA H200 Tensor Core GPU datasheet (SXM): 141GB HBM3e, 4.8 TB/s; BF16 989 TFLOPS, FP32 67, FP64 Tensor "
+         "Core 67; PCIe Gen5"),
+    _gpu("b200-180gb", 180, 8000 * _GB, 2250, 75, 37, 64 * _GB,
+         "NVIDIA HGX B200 datasheet, per GPU: 180GB HBM3e, 8 TB/s; BF16 2.25 PFLOPS, FP32 75 TFLOPS, FP64 Tensor Core "
+         "37; PCIe Gen5"),
+    _gpu("rtx-a6000", 48, 768 * _GB, 154.8, 38.7, 38.7 * _CONSUMER_FP64, 32 * _GB,
          "NVIDIA RTX A6000 datasheet: 48GB GDDR6, 768 GB/s; BF16 tensor 154.8 TFLOPS, FP32 38.7; PCIe Gen4"),
-    _gpu("l40s", 48, 864 * _GB, 362, 91.6, 32 * _GB,
+    _gpu("l40s", 48, 864 * _GB, 362, 91.6, 91.6 * _CONSUMER_FP64, 32 * _GB,
          "NVIDIA L40S datasheet: 48GB GDDR6, 864 GB/s; BF16 tensor 362 TFLOPS, FP32 91.6; PCIe Gen4"),
-    _gpu("rtx-4090", 24, 1008 * _GB, 165.2, 82.6, 32 * _GB,
+    _gpu("rtx-4090", 24, 1008 * _GB, 165.2, 82.6, 82.6 * _CONSUMER_FP64, 32 * _GB,
          "NVIDIA Ada Lovelace architecture whitepaper, GeForce RTX 4090: 24GB GDDR6X, 1,008 GB/s; BF16 tensor "
          "(FP32 accumulate) 165.2 TFLOPS, FP32 82.6; PCIe Gen4"),
 )}

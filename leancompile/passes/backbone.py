@@ -97,7 +97,8 @@ def structural_hashes(gm: fx.GraphModule, ignore_casts: bool = False) -> dict[fx
             hashes[node] = hashes[node.args[0]]
             continue
         else:
-            key = op_name(node) + arg_key(_hashed_args(node, ignore_casts)) + arg_key(tuple(sorted(node.kwargs.items())))
+            key = (op_name(node) + arg_key(_hashed_args(node, ignore_casts))
+                   + arg_key(tuple(sorted(node.kwargs.items()))))
         hashes[node] = hashlib.sha1(key.encode()).hexdigest()
     return hashes
 
