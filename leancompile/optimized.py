@@ -78,7 +78,10 @@ class Optimized:
         action = self._step_action(step, rows) if self._engine is not None else None
         if action is None:
             self._kept_now = ()
-            return super().rollout_velocity(step, rows, x, sigma, cond)
+            if self._engine is None:
+                return super().rollout_velocity(step, rows, x, sigma, cond)
+            with self._engine.passing():  # a step no update trains: nothing to keep, nothing to look up
+                return super().rollout_velocity(step, rows, x, sigma, cond)
         with self._engine.keeping(action) as kept:
             velocity = super().rollout_velocity(step, rows, x, sigma, cond)
         self._kept_now = kept

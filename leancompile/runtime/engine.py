@@ -137,6 +137,7 @@ class ReuseEngine:
         self._index: dict[tuple, list[tuple[KeptCall, int]]] = {}
         self._made: list[KeptCall] = []
         self._keeping = None  # the plan's action for the next call while the caller keeps it
+        self._passing = False  # while the caller's calls can neither be kept nor served (see passing)
         # Or, for a wrapped module: the action to keep a call without grad that matches nothing under (None: not
         # kept), asked of each such call (see leancompile.wrap)
         self.admit = None
@@ -160,9 +161,21 @@ class ReuseEngine:
         finally:
             self._keeping = None
 
+    @contextlib.contextmanager
+    def passing(self):
+        """Run the calls made inside without grad natively, unchecked: the caller knows nothing of them is kept
+        (a rollout step no update trains) and none repeats a kept call, so there is nothing to verify."""
+        self._passing = True
+        try:
+            yield
+        finally:
+            self._passing = False
+
     def __call__(self, *args, **kwargs):
         if self.sync is not None:
             self.sync.gather()
+        if self._passing and not torch.is_grad_enabled():
+            return self.backbone(*args, **kwargs)
         start = time.perf_counter()
         call = Call.of(args, kwargs, self.shared)
         if call.refusal is not None:
