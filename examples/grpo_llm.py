@@ -36,6 +36,7 @@ class Config:
     dtype: torch.dtype = torch.float32
     autocast: torch.dtype | None = None  # e.g. torch.bfloat16: the loop's forwards run under autocast
     device: str = "cpu"
+    schedule: str = "retain"  # leancompile's; "reweight" also hands it the update's loss once the rollout is done
 
 
 class Loop:
@@ -43,6 +44,7 @@ class Loop:
 
     def __init__(self, config: Config = Config(), use_leancompile: bool = True):
         self.config = c = config
+        self.use_leancompile = use_leancompile
         torch.manual_seed(c.seed)  # the weights; generate samples from torch's own generator too
         model_config = LlamaConfig(vocab_size=15, hidden_size=c.hidden, intermediate_size=2 * c.hidden,
                                    num_hidden_layers=c.layers, num_attention_heads=4, num_key_value_heads=2,
@@ -51,7 +53,7 @@ class Loop:
         self.model = LlamaForCausalLM(model_config).to(c.device, c.dtype)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=c.lr)
         if use_leancompile:
-            self.model = leancompile.wrap(self.model)  # leancompile
+            self.model = leancompile.wrap(self.model, schedule=c.schedule)  # leancompile
         self.generator = torch.Generator().manual_seed(c.seed)  # the questions
 
     def questions(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -87,6 +89,15 @@ class Loop:
             logits = self.model(input_ids=sequences, attention_mask=mask, use_cache=False).logits[:, :-1]
         return torch.log_softmax(logits.to(self.config.dtype), -1).gather(-1, sequences[:, 1:, None]).squeeze(-1)
 
+    def loss(self, batch: slice, sequences, mask, old, tokens, advantages) -> tuple[torch.Tensor, torch.Tensor]:
+        """One micro-batch's clipped token-level loss (normalised by all completion tokens) and its ratios."""
+        c = self.config
+        new = self.token_log_probs(sequences[batch], mask[batch])
+        ratio = torch.exp(new - old[batch])
+        advantage = advantages[batch, None].to(new.dtype)
+        loss = -torch.minimum(ratio * advantage, torch.clamp(ratio, 1 - c.clip, 1 + c.clip) * advantage)
+        return (loss * tokens[batch]).sum() / tokens.sum(), ratio
+
     def step(self) -> float:
         """One GRPO step; returns the rollout's mean reward."""
         c = self.config
@@ -98,16 +109,15 @@ class Loop:
         with torch.no_grad():
             old = self.token_log_probs(sequences, mask)
         tokens = completion[:, 1:].to(old.dtype)
+        batches = [slice(start, start + c.micro_batch) for start in range(0, len(sequences), c.micro_batch)]
+        if self.use_leancompile and c.schedule == "reweight":  # leancompile: the update's loss at one advantage
+            self.model.provisional(lambda a: sum(self.loss(b, sequences, mask, old, tokens,
+                                                           torch.full_like(advantages, a))[0] for b in batches))
         self.optimizer.zero_grad()
         self.ratios = []  # each micro-step's importance ratios on its completion tokens
-        for start in range(0, len(sequences), c.micro_batch):
-            batch = slice(start, start + c.micro_batch)
-            new = self.token_log_probs(sequences[batch], mask[batch])
-            ratio = torch.exp(new - old[batch])
+        for batch in batches:
+            loss, ratio = self.loss(batch, sequences, mask, old, tokens, advantages)
             self.ratios.append(ratio.detach()[tokens[batch].bool()])
-            advantage = advantages[batch, None].to(new.dtype)
-            loss = -torch.minimum(ratio * advantage, torch.clamp(ratio, 1 - c.clip, 1 + c.clip) * advantage)
-            loss = (loss * tokens[batch]).sum() / tokens.sum()
             loss.backward()
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
         self.optimizer.step()

@@ -9,9 +9,16 @@ inputs and the same state (weights unmodified, training flags, adapters, autocas
 backward runs the kept rows' backward; anything else runs the module itself, and ``stats()`` says why. An
 optimizer step changes the weights' version counters, so nothing kept before it is served after it, and it is freed
 at the next call.
+
+With ``schedule="reweight"`` the loop also hands the update's loss to ``wrapped.provisional(head)`` once the
+rollout's calls are made: the kept calls' per-row gradients are computed from it then, their activations freed,
+and each served call's backward combines them with the coefficients its true cotangent has in their span (a
+cotangent outside it recomputes: :mod:`leancompile.runtime.reweight`).
 """
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -21,9 +28,10 @@ from .plan import StepAction
 from .runtime.calls import Call
 from .runtime.engine import ReuseEngine
 from .runtime.retain import Retain
+from .runtime.reweight import ProvisionalRows, Reweight
 from .runtime.rowwise import RowwiseBackbone
 
-WRAP_SCHEDULES = ("retain", "offload")
+WRAP_SCHEDULES = ("retain", "offload", "reweight")
 # Keyword arguments of diffusers transformers shared by every row whatever their length (position ids).
 SHARED_ARGUMENTS = ("img_ids", "txt_ids")
 
@@ -65,9 +73,29 @@ class Wrapped(torch.nn.Module):
         self.__dict__["engine"] = engine  # not a submodule: its state is not the model's
 
     def forward(self, *args, **kwargs):
-        if torch.is_grad_enabled():
+        if torch.is_grad_enabled() and not self.engine.answering_with_leaves_now:
             self.engine.admit.close()
         return self.engine(*args, **kwargs)
+
+    def provisional(self, head: Callable[[float], torch.Tensor]) -> None:
+        """``schedule="reweight"``: backpropagate the update's loss through the calls kept since the last time.
+
+        ``head(advantage)`` computes the loss the update will compute for those calls' rows, at that one advantage
+        for every row (it is called at 1 and 0), calling this module as the update does; those calls are answered
+        with the kept outputs, nothing runs twice. Only each row's direction matters: a head off by a factor per
+        row (another normalisation, the advantages' sign) still gives native's gradient, and one that is wrong
+        otherwise makes the served calls recompute."""
+        schedule = self.engine.schedule
+        if not isinstance(schedule, Reweight):
+            raise ValueError("provisional: the module was wrapped with schedule="
+                             f"{self.engine.admit.action.action!r}; wrap it with schedule='reweight'")
+        if not callable(head):
+            raise ValueError(f"head must be a callable head(advantage) -> loss; got {type(head).__name__}")
+        calls = [kept for kept in self.engine.kept if kept.rowwise is not None
+                 and not isinstance(kept.rows, ProvisionalRows)]
+        if calls:
+            with torch.enable_grad():
+                schedule.provisional(self.engine, calls, [functools.partial(head, a) for a in schedule.advantages])
 
     def stats(self) -> dict:
         """Since the last call: calls served and recomputed (with each recompute's reason by kind), the peak bytes
@@ -102,7 +130,8 @@ def wrap(module: torch.nn.Module, schedule: str = "retain", memory_limit: int | 
             transformer, with or without peft LoRA; a causal LM called on whole sequences), called with its own
             arguments. Its output must be one tensor in any tree (``return_dict=False``'s tuple, a model output
             without a cache: pass ``use_cache=False`` to a causal LM).
-        schedule: ``"retain"`` keeps the kept calls' activations on the device, ``"offload"`` in host memory.
+        schedule: ``"retain"`` keeps the kept calls' activations on the device, ``"offload"`` in host memory;
+            ``"reweight"`` turns them into per-row gradients when the loop calls ``wrapped.provisional(head)``.
         memory_limit: bytes the kept calls may hold (default: half the device's free memory at the first call).
         shared: keyword arguments that every row shares whatever their leading size (tensors whose leading size
             differs from the batch's are shared anyway).
@@ -123,8 +152,8 @@ def wrap(module: torch.nn.Module, schedule: str = "retain", memory_limit: int | 
         raise ValueError(f"shared must be a tuple of keyword-argument names; got {shared!r}")
     if not isinstance(tune_matmuls, bool):
         raise ValueError(f"tune_matmuls must be True or False; got {tune_matmuls!r}")
-    engine = ReuseEngine(module, Retain(), {1.0: RowwiseBackbone(module, tune_matmuls=tune_matmuls)},
-                         shared=frozenset(shared))
+    engine = ReuseEngine(module, Reweight() if schedule == "reweight" else Retain(),
+                         {1.0: RowwiseBackbone(module, tune_matmuls=tune_matmuls)}, shared=frozenset(shared))
     action = StepAction(0, schedule, "a call without grad of the wrapped module that matches no kept call")
     engine.admit = _Admission(engine, action, memory_limit)
     return Wrapped(module, engine)

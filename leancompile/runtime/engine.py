@@ -115,6 +115,11 @@ class Schedule:
         """Reserve ``match``'s rows for one served call with grad; why not (None: reserved)."""
         return None
 
+    def available(self, kept: KeptCall, row: int) -> bool:
+        """Whether ``kept``'s ``row`` can still serve a call with grad (a lookup passes over one that cannot to
+        an equal row of another kept call or sample)."""
+        return True
+
     def gradients(self, engine: "ReuseEngine", match: Match, cotangent: torch.Tensor) -> list[torch.Tensor] | None:
         """The trainable parameters' gradients for the served rows (None: not verified, recompute them)."""
         raise NotImplementedError
@@ -142,6 +147,9 @@ class ReuseEngine:
         # kept), asked of each such call (see leancompile.wrap)
         self.admit = None
         self._leaves: list | None = None  # while provisional loss heads run: the leaves handed out
+        # While one head runs: the kept rows (id of the call, row) its calls were answered with. Equal samples each
+        # get their own kept row, as the update's calls will (see Schedule.available).
+        self._answered: set = set()
         self._fingerprint = None  # of the weights when the first call was kept; checked at the first lookup
         self._checked = True
         self._same: dict[tuple, bool] = {}  # (kept program key, call's key) -> whether both are the same graphs
@@ -274,6 +282,8 @@ class ReuseEngine:
         for kept_rows in candidates:
             found = None
             for kept, kept_row in kept_rows:
+                if not self.schedule.available(kept, kept_row) or (id(kept), kept_row) in self._answered:
+                    continue
                 if id(kept) not in verdicts:
                     difference = kept.state.difference(state)
                     if difference == TRAINING_FLAGS and self._same_program(kept, state, call):
@@ -287,8 +297,12 @@ class ReuseEngine:
             if found is None:
                 break
             places.append(found)
+            if self._leaves is not None:
+                self._answered.add((id(found[0]), found[1]))
         self._drop_stale(state)
         if len(places) < len(keys):
+            if not differences:
+                return None, "every kept row with these inputs has served its call", "used"
             kind = differences.most_common(1)[0][0]
             return None, f"the kept call with these inputs differs in {kind}", kind
         match = Match(tuple(places))
@@ -350,15 +364,20 @@ class ReuseEngine:
 
     # ---------------------------------------------------------------------------------------- provisional
 
+    @property
+    def answering_with_leaves_now(self) -> bool:
+        """Whether provisional loss heads are running (their calls with grad are answered with leaves)."""
+        return self._leaves is not None
+
     @contextlib.contextmanager
     def answering_with_leaves(self):
         """Inside, a call with grad that matches kept rows returns them as a leaf (a loss head on the kept output,
         no second forward); calls without grad that do not match are kept as values. Yields the leaves list."""
-        self._leaves = []
+        self._leaves, self._answered = [], set()
         try:
             yield self._leaves
         finally:
-            self._leaves = None
+            self._leaves, self._answered = None, set()
 
     # ----------------------------------------------------------------------------------------- lifetime
 

@@ -98,8 +98,10 @@ def row_keys(inputs: tuple[torch.Tensor, ...]) -> list[tuple]:
 def _words(t: torch.Tensor) -> torch.Tensor:
     """``t``'s rows as 32-bit words (bytes widened where a row's size is not a multiple of 4)."""
     flat = t.detach().reshape(t.shape[0], -1)
-    # Row-major, copied where it is not (a broadcast sigma, stride 0, cannot be reinterpreted).
-    data = (flat if flat.is_contiguous() else flat.new_empty(flat.shape).copy_(flat)).view(torch.uint8)
+    # Read in place where it is row-major with unit stride, else copied (a broadcast sigma, stride 0, cannot be
+    # reinterpreted; a size-1 dimension counts as contiguous whatever its stride).
+    in_place = flat.is_contiguous() and (flat.shape[1] == 0 or flat.stride(1) == 1)
+    data = (flat if in_place else flat.new_empty(flat.shape).copy_(flat)).view(torch.uint8)
     return data.view(torch.int32) if data.shape[1] % 4 == 0 else data.to(torch.int32)
 
 

@@ -76,6 +76,10 @@ class Reweight(Schedule):
             engine._count(nbytes - kept.nbytes)
             kept.nbytes = nbytes
 
+    def available(self, kept: KeptCall, row: int) -> bool:
+        # Two samples can be equal (an LLM's group often holds the same completion twice): each has its own row.
+        return not (isinstance(kept.rows, ProvisionalRows) and bool(kept.rows.used[row]))
+
     def claim(self, match: Match) -> str | None:
         places = [(kept.rows, row) for kept, row in match.places]
         if not all(isinstance(rows, ProvisionalRows) for rows, _ in places):
