@@ -2,6 +2,8 @@
 DanceGRPO-style Flux loop, an LLM GRPO loop) train exactly as their native versions, and serve every update call
 their optimizer steps allow; what cannot be verified runs natively."""
 import dataclasses
+import gc
+import weakref
 
 import pytest
 import torch
@@ -216,6 +218,20 @@ def test_provisional_needs_the_reweight_schedule_and_a_callable():
         leancompile.wrap(torch.nn.Linear(2, 2)).provisional(lambda a: a)
     with pytest.raises(ValueError, match="head must be a callable"):
         leancompile.wrap(torch.nn.Linear(2, 2), schedule="reweight").provisional(1.0)
+
+
+@pytest.mark.parametrize("schedule", ["retain", "reweight"])
+def test_what_a_rollout_kept_is_freed_once_the_weights_change(schedule):
+    """Nothing outlives its use: after an optimizer step the next rollout's first call frees every kept call of
+    the last one (were any held, each step would add a rollout's activations to the process)."""
+    loop = DenseRewardLLM(grpo_llm.Config(prompts=2, group=2, micro_batch=2, dtype=torch.float64,
+                                          schedule=schedule))
+    loop.step()
+    kept = [weakref.ref(call) for call in loop.model.engine.kept]
+    assert kept
+    loop.step()
+    gc.collect()
+    assert not any(ref() is not None for ref in kept)
 
 
 def test_wrapping_twice_is_refused():

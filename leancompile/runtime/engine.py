@@ -167,7 +167,7 @@ class ReuseEngine:
         try:
             yield self._made
         finally:
-            self._keeping = None
+            self._keeping, self._made = None, []
 
     @contextlib.contextmanager
     def passing(self):
@@ -254,7 +254,8 @@ class ReuseEngine:
         self.schedule.keep(self, kept, saved, action)
         self._count(kept.nbytes)
         self._checked = False
-        self._made.append(kept)
+        if self._keeping is not None:  # the caller's list of what it kept (a wrapped module's admission has none)
+            self._made.append(kept)
         self.log.records.append(CallRecord("kept", call.batch, str(getattr(action, "kind", action))))
         return pytree.tree_unflatten([output], program.output)
 
