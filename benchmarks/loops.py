@@ -19,6 +19,9 @@ LOOPS = {
     "sd3/flowgrpo": (flowgrpo_sd3.Loop, flowgrpo_sd3.Config(sizes=tuple(backbone_sizes("sd3").items()))),
     "flux/dancegrpo": (dancegrpo_flux.Loop, dancegrpo_flux.Config(sizes=tuple(backbone_sizes("flux").items()))),
 }
+# The loops that can hand Reweight their loss (``wrapped.provisional``), under that schedule too.
+LOOPS.update({f"{name}/reweight": (loop, dataclasses.replace(config, schedule="reweight"))
+              for name, (loop, config) in LOOPS.items() if hasattr(config, "schedule")})
 QUICK_LOOPS = ("llm/grpo",)
 
 
@@ -64,13 +67,15 @@ def measure_loop(name: str, repetitions: int, device: str = "cpu") -> dict:
         program.step(None)  # compiles, traces
         flops[key] = counted_step(program, None)[1]
     times, stats = interleaved_times(programs, None, repetitions)
-    backbone, trainer = name.split("/")
+    backbone, trainer = name.split("/")[:2]
+    wrapped = stats["wrapped"]
     row = {"backbone": backbone, "trainer": trainer, "tuning": "lora" if backbone == "sd3" else "full",
-           "schedule": "wrap (retain)", **timing_fields(times["native"], times["wrapped"]),
+           "schedule": f"wrap ({config.schedule})", **timing_fields(times["native"], times["wrapped"]),
            "ideal_speedup": flops["native"] / flops["wrapped"], "native_flops": flops["native"],
-           "optimized_flops": flops["wrapped"], "held_bytes": stats["wrapped"].get("retained_bytes", 0),
-           "served_calls": stats["wrapped"]["served_calls"], "recomputed_calls": stats["wrapped"]["recomputed_calls"],
-           "check_fraction": stats["wrapped"]["check_seconds"] / times["wrapped"][-1].wall,
+           "optimized_flops": flops["wrapped"],
+           "held_bytes": wrapped.get("retained_bytes", wrapped.get("buffer_bytes", 0)),
+           "served_calls": wrapped["served_calls"], "recomputed_calls": wrapped["recomputed_calls"],
+           "check_fraction": wrapped["check_seconds"] / times["wrapped"][-1].wall,
            "repetitions": repetitions,
            "max_rel_weight_diff": max_rel_weight_diff(programs["native"], programs["wrapped"])}
     row["ratio"] = row["speedup"] / row["ideal_speedup"]
@@ -96,7 +101,7 @@ def on_policy(precision: str, device: str = "cpu") -> dict:
 def loops_markdown(rows: list[dict]) -> str:
     lines = ["| loop | native s | wrapped s | speedup | ideal (FLOPs) | measured/ideal | calls served | checks | "
              "max rel weight diff |", "|---|---|---|---|---|---|---|---|---|"]
-    lines += [f"| {r['backbone']}/{r['trainer']} ({r['tuning']}) | {r['native_seconds']:.3f} | "
+    lines += [f"| {r['backbone']}/{r['trainer']} ({r['tuning']}), {r['schedule']} | {r['native_seconds']:.3f} | "
               f"{r['optimized_seconds']:.3f} | {r['speedup']:.2f}x | {r['ideal_speedup']:.2f}x | {r['ratio']:.2f} | "
               f"{r['served_calls']} of {r['served_calls'] + r['recomputed_calls']} | {r['check_fraction']:.1%} | "
               f"{r['max_rel_weight_diff']:.1e} |" for r in rows]

@@ -35,6 +35,7 @@ class Config:
     dtype: torch.dtype = torch.float32
     sizes: tuple = ()  # overrides of the tiny Flux config, as (key, value) pairs
     device: str = "cpu"
+    schedule: str = "retain"  # leancompile's; "reweight" also hands it the update's loss once the steps are drawn
 
 
 class Loop:
@@ -42,12 +43,13 @@ class Loop:
 
     def __init__(self, config: Config = Config(), use_leancompile: bool = True):
         self.config = c = config
+        self.use_leancompile = use_leancompile
         base = backbones.tiny("flux", seed=c.seed, dtype=c.dtype, **dict(c.sizes))
         self.transformer = base.model.to(c.device)
         self.transformer.enable_gradient_checkpointing()
         self.optimizer = torch.optim.AdamW(self.transformer.parameters(), lr=1e-5, weight_decay=1e-4)
         if use_leancompile:
-            self.transformer = leancompile.wrap(self.transformer)  # leancompile
+            self.transformer = leancompile.wrap(self.transformer, schedule=c.schedule)  # leancompile
         channels, height, width = base.latent_shape
         self.tokens = (height // 2) * (width // 2)
         self.channels = channels * 4  # 2x2 patches, packed as the Flux pipeline packs them
@@ -104,22 +106,28 @@ class Loop:
         advantages = ((grouped - grouped.mean(1, keepdim=True)) / (grouped.std(1, keepdim=True) + 1e-8)).reshape(-1)
         trained = int((c.num_steps - 1) * c.timestep_fraction)
         perms = torch.stack([torch.randperm(c.num_steps - 1, generator=self.generator) for _ in rewards])
-        for n in range(len(rewards)):
-            prompt = int(samples["prompts"][n])
-            for j in perms[n, :trained].tolist():
-                latents, next_latents = samples["latents"][n, j:j + 1], samples["latents"][n, j + 1:j + 2]
-                v = self.velocity(latents, self.sigmas[j], prompt)
-                step = dance_step(latents, v, self.sigmas[j].expand(1), self.sigmas[j + 1].expand(1), c.eta,
-                                  prev_sample=next_latents)
-                ratio = torch.exp(step.log_prob - samples["log_probs"][n, j])
-                advantage = torch.clamp(advantages[n], -c.adv_clip_max, c.adv_clip_max)
-                unclipped = -advantage * ratio
-                clipped = -advantage * torch.clamp(ratio, 1 - c.clip_range, 1 + c.clip_range)
-                loss = torch.mean(torch.maximum(unclipped, clipped)) / (len(rewards) * trained)
-                loss.backward()
+        steps = [(n, j) for n in range(len(rewards)) for j in perms[n, :trained].tolist()]
+        if self.use_leancompile and c.schedule == "reweight":  # leancompile: the update's loss at one advantage
+            self.transformer.provisional(lambda a: sum(self.loss(samples, torch.full_like(advantages, a), n, j)
+                                                       for n, j in steps) / len(steps))
+        for n, j in steps:
+            (self.loss(samples, advantages, n, j) / len(steps)).backward()
         torch.nn.utils.clip_grad_norm_(self.transformer.parameters(), 1.0)
         self.optimizer.step()
         self.optimizer.zero_grad()
+
+    def loss(self, samples: dict, advantages: torch.Tensor, n: int, j: int) -> torch.Tensor:
+        """Sample ``n``'s clipped loss at step ``j``."""
+        c = self.config
+        latents, next_latents = samples["latents"][n, j:j + 1], samples["latents"][n, j + 1:j + 2]
+        v = self.velocity(latents, self.sigmas[j], int(samples["prompts"][n]))
+        step = dance_step(latents, v, self.sigmas[j].expand(1), self.sigmas[j + 1].expand(1), c.eta,
+                          prev_sample=next_latents)
+        ratio = torch.exp(step.log_prob - samples["log_probs"][n, j])
+        advantage = torch.clamp(advantages[n], -c.adv_clip_max, c.adv_clip_max)
+        unclipped = -advantage * ratio
+        clipped = -advantage * torch.clamp(ratio, 1 - c.clip_range, 1 + c.clip_range)
+        return torch.mean(torch.maximum(unclipped, clipped))
 
     def step(self) -> float:
         """One GRPO step; returns the rollout's mean reward."""

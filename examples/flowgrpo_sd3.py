@@ -37,6 +37,7 @@ class Config:
     dtype: torch.dtype = torch.float32
     sizes: tuple = ()  # overrides of the tiny SD3 config, as (key, value) pairs
     device: str = "cpu"
+    schedule: str = "retain"  # leancompile's; "reweight" also hands it the update's loss before the first step
 
 
 class Loop:
@@ -44,6 +45,7 @@ class Loop:
 
     def __init__(self, config: Config = Config(), use_leancompile: bool = True):
         self.config = c = config
+        self.use_leancompile = use_leancompile
         base = backbones.tiny("sd3", seed=c.seed, dtype=c.dtype, **dict(c.sizes))  # latents' and text's geometry
         torch.manual_seed(c.seed)
         lora = LoraConfig(r=4, lora_alpha=4, init_lora_weights="gaussian",
@@ -51,7 +53,7 @@ class Loop:
         self.transformer = get_peft_model(base.model, lora).to(c.device)
         self.optimizer = torch.optim.AdamW([p for p in self.transformer.parameters() if p.requires_grad], lr=1e-3)
         if use_leancompile:
-            self.transformer = leancompile.wrap(self.transformer)  # leancompile
+            self.transformer = leancompile.wrap(self.transformer, schedule=c.schedule)  # leancompile
         text = base.dummy_conditioning(c.prompts + 1, torch.Generator().manual_seed(c.seed), dtype=c.dtype)
         text_embeds, pooled = text.text.to(c.device), text.pooled.to(c.device)
         self.embeds, self.pooled = text_embeds[1:], pooled[1:]
@@ -98,6 +100,24 @@ class Loop:
                             "log_probs": torch.stack(log_probs, 1), "timesteps": torch.stack(timesteps, 1)})
         return {k: torch.cat([s[k] for s in samples]) for k in samples[0]}
 
+    def loss(self, samples: dict, advantages: torch.Tensor, batch: slice, j: int) -> torch.Tensor:
+        """The clipped loss of the samples ``batch`` at step ``j``, with the KL term to the reference."""
+        c = self.config
+        rows = samples["rows"][batch]
+        latents, next_latents = samples["latents"][batch, j], samples["latents"][batch, j + 1]
+        sigma, sigma_next = self.sigmas[j].expand(c.train_batch), self.sigmas[j + 1].expand(c.train_batch)
+        timesteps = samples["timesteps"][batch, j]
+        v = self.guided(latents, timesteps, self.embeds[rows], self.pooled[rows])
+        step = flow_sde_step(latents, v, sigma, sigma_next, c.noise_level, prev_sample=next_latents)
+        with torch.no_grad(), self.transformer.disable_adapter():
+            v_ref = self.guided(latents, timesteps, self.embeds[rows], self.pooled[rows])
+            reference = flow_sde_step(latents, v_ref, sigma, sigma_next, c.noise_level, prev_sample=next_latents)
+        kl = ((step.mean - reference.mean) ** 2).mean(dim=(1, 2, 3)) / (2 * step.std**2)
+        ratio = torch.exp(step.log_prob - samples["log_probs"][batch, j])
+        unclipped = -advantages[batch] * ratio
+        clipped = -advantages[batch] * torch.clamp(ratio, 1 - c.clip_range, 1 + c.clip_range)
+        return torch.mean(torch.maximum(unclipped, clipped)) + c.beta * kl.mean()
+
     def train(self, samples: dict, rewards: torch.Tensor) -> None:
         """One epoch over the samples: micro-batches of ``train_batch``, every trained step, the optimizer stepped
         ``optimizer_steps`` times."""
@@ -106,30 +126,17 @@ class Loop:
         advantages = ((grouped - grouped.mean(1, keepdim=True)) / (grouped.std(1, keepdim=True) + 1e-4)).reshape(-1)
         accumulation = (len(rewards) // c.train_batch) * c.train_steps // c.optimizer_steps
         params = [p for p in self.transformer.parameters() if p.requires_grad]
-        done = 0
-        for start in range(0, len(rewards), c.train_batch):
-            batch = slice(start, start + c.train_batch)
-            rows = samples["rows"][batch]
-            for j in range(c.train_steps):
-                latents, next_latents = samples["latents"][batch, j], samples["latents"][batch, j + 1]
-                sigma, sigma_next = self.sigmas[j].expand(c.train_batch), self.sigmas[j + 1].expand(c.train_batch)
-                timesteps = samples["timesteps"][batch, j]
-                v = self.guided(latents, timesteps, self.embeds[rows], self.pooled[rows])
-                step = flow_sde_step(latents, v, sigma, sigma_next, c.noise_level, prev_sample=next_latents)
-                with torch.no_grad(), self.transformer.disable_adapter():
-                    v_ref = self.guided(latents, timesteps, self.embeds[rows], self.pooled[rows])
-                    reference = flow_sde_step(latents, v_ref, sigma, sigma_next, c.noise_level, prev_sample=next_latents)
-                kl = ((step.mean - reference.mean) ** 2).mean(dim=(1, 2, 3)) / (2 * step.std**2)
-                ratio = torch.exp(step.log_prob - samples["log_probs"][batch, j])
-                unclipped = -advantages[batch] * ratio
-                clipped = -advantages[batch] * torch.clamp(ratio, 1 - c.clip_range, 1 + c.clip_range)
-                loss = torch.mean(torch.maximum(unclipped, clipped)) + c.beta * kl.mean()
-                (loss / accumulation).backward()
-                done += 1
-                if done % accumulation == 0:
-                    torch.nn.utils.clip_grad_norm_(params, 1.0)
-                    self.optimizer.step()
-                    self.optimizer.zero_grad()
+        micro = [(slice(start, start + c.train_batch), j) for start in range(0, len(rewards), c.train_batch)
+                 for j in range(c.train_steps)]
+        if self.use_leancompile and c.schedule == "reweight":  # leancompile: the update's loss at one advantage
+            self.transformer.provisional(lambda a: sum(self.loss(samples, torch.full_like(advantages, a), b, j)
+                                                       for b, j in micro[:accumulation]) / accumulation)
+        for done, (batch, j) in enumerate(micro, 1):
+            (self.loss(samples, advantages, batch, j) / accumulation).backward()
+            if done % accumulation == 0:
+                torch.nn.utils.clip_grad_norm_(params, 1.0)
+                self.optimizer.step()
+                self.optimizer.zero_grad()
 
     def step(self) -> float:
         """One GRPO step; returns the rollout's mean reward."""

@@ -133,4 +133,4 @@ def test_a_loop_row_times_the_loop_natively_and_wrapped(monkeypatch):
     row = loops.measure_loop("llm/grpo", repetitions=1)
     assert row["served_calls"] == 2 and row["recomputed_calls"] == 0
     assert row["native_flops"] > row["optimized_flops"] > 0  # the update's forwards are gone
-    assert "| llm/grpo (full) |" in loops.loops_markdown([row])
+    assert "| llm/grpo (full), wrap (retain) |" in loops.loops_markdown([row])

@@ -284,6 +284,7 @@ class ReuseEngine:
             found = None
             for kept, kept_row in kept_rows:
                 if not self.schedule.available(kept, kept_row) or (id(kept), kept_row) in self._answered:
+                    differences["used"] += 1  # an equal row was there but has served its call: the reason given
                     continue
                 if id(kept) not in verdicts:
                     difference = kept.state.difference(state)
@@ -302,14 +303,15 @@ class ReuseEngine:
                 self._answered.add((id(found[0]), found[1]))
         self._drop_stale(state)
         if len(places) < len(keys):
-            if not differences:
+            if differences["used"]:
                 return None, "every kept row with these inputs has served its call", "used"
             kind = differences.most_common(1)[0][0]
             return None, f"the kept call with these inputs differs in {kind}", kind
         match = Match(tuple(places))
         for kept, rows, positions in match.by_call():
             here, there = RowPick(positions), RowPick(rows)
-            if not all(torch.equal(here.of(mine), there.of(theirs)) for mine, theirs in zip(call.row_inputs, kept.inputs)):
+            if not all(torch.equal(here.of(mine), there.of(theirs))
+                       for mine, theirs in zip(call.row_inputs, kept.inputs)):
                 return None, "inputs equal in digest but not bitwise", "inputs"
             if not all(torch.equal(mine, theirs) for mine, theirs in zip(call.whole_inputs, kept.whole)):
                 return None, "a tensor every row shares differs from the kept call's", "inputs"
@@ -346,6 +348,12 @@ class ReuseEngine:
             self._reindex(stale)
             if not self.kept:  # the fingerprint was of the weights they were made with
                 self._fingerprint, self._checked = None, True
+
+    def forget(self, calls: list[KeptCall]) -> None:
+        """Free ``calls`` now: a later call with their inputs runs natively."""
+        dropped = {id(k) for k in calls}
+        self.kept = [k for k in self.kept if id(k) not in dropped]
+        self._reindex(calls)
 
     def _reindex(self, dropped) -> None:
         dropped = {id(k) for k in dropped}

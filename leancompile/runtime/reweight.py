@@ -64,17 +64,22 @@ class Reweight(Schedule):
                         device = grad.device
                         cotangents[id(kept)][-1][torch.tensor(rows, device=device)] += \
                             grad[torch.tensor(positions, device=device)]
+        untouched = []
         for kept in calls:
             heads_cot = cotangents[id(kept)]
             basis = [heads_cot[0] - heads_cot[-1], heads_cot[-1]] if len(heads_cot) > 1 else heads_cot
             if len(basis) > 1 and not bool(basis[1].any()):
                 basis = basis[:1]
+            if not any(bool(b.any()) for b in basis):  # no head reached it (a step no update trains): no backward, freed
+                untouched.append(kept)
+                continue
             grads = [kept.rowwise.backward(kept.key, kept.rows, c.to(kept.output.dtype), per_row=True) for c in basis]
             kept.rows = ProvisionalRows(torch.stack(basis, dim=1), [torch.stack(g, dim=1) for g in zip(*grads)],
                                         torch.zeros(len(kept.output), dtype=torch.bool, device="cpu"))  # host flags
             nbytes = sum(t.numel() * t.element_size() for t in (kept.rows.cotangents, *kept.rows.gradients))
             engine._count(nbytes - kept.nbytes)
             kept.nbytes = nbytes
+        engine.forget(untouched)
 
     def available(self, kept: KeptCall, row: int) -> bool:
         # Two samples can be equal (an LLM's group often holds the same completion twice): each has its own row.
