@@ -7,7 +7,8 @@ a random subset of the steps to train (inside the update loop, after the rollout
 optimizer once per GRPO step.
 
 Using leancompile changes one line (marked ``# leancompile``): every rollout call is kept (the update's steps are
-not known yet) and each update call is served from the one with its inputs. Run
+not known yet) and each update call is served from the one with its inputs; under ``Config(schedule="reweight")``
+three more lines hand the loss of the drawn steps to ``provisional`` and the rest are freed. Run
 ``python examples/dancegrpo_flux.py [--native]``.
 """
 from __future__ import annotations

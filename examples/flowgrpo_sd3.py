@@ -6,7 +6,8 @@ its log-probability; the update calls the transformer again on the stored latent
 KL term to the adapter-disabled reference, and clips then steps the optimizer twice per rollout.
 
 Using leancompile changes one line of the loop (marked ``# leancompile``): the transformer is wrapped after the
-optimizer is made. Run ``python examples/flowgrpo_sd3.py [--native]``.
+optimizer is made; under ``Config(schedule="reweight")`` three more lines hand the loss of the micro-steps before
+the first optimizer step to ``provisional``. Run ``python examples/flowgrpo_sd3.py [--native]``.
 """
 from __future__ import annotations
 

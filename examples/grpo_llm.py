@@ -6,7 +6,8 @@ The model is a tiny ``transformers`` ``LlamaForCausalLM`` built from a config an
 verifiable: given two digits ``a , b =``, answer the larger, rewarded 1 for the right digit and 0.5 more when the
 end of sequence follows it (1.5 at most).
 Using leancompile changes one line (marked ``# leancompile``): the old log-probabilities' forward is kept, and each
-micro-step before the optimizer step is served from it instead of running the model again.
+micro-step before the optimizer step is served from it instead of running the model again; under
+``Config(schedule="reweight")`` three more lines hand the update's loss to ``provisional``.
 
 Run ``python examples/grpo_llm.py [--native] [--steps N]`` (200 steps by default: the mean reward climbs).
 """
