@@ -3,6 +3,7 @@ tiny Flux, SD3 and Wan under three schedules of the originals, with LoRA and ful
 from __future__ import annotations
 
 import argparse
+import itertools
 import sys
 import time
 from pathlib import Path
@@ -98,15 +99,20 @@ def main(argv=None) -> int:
     tasks += [(on_policy, precision, args.device) for precision in (("float32", "bf16") if loops else ())]
     if args.equivalence_steps > 0:
         tasks += [(train_side_by_side, args.equivalence_steps, precision) for precision in ("float64", "bf16")]
-    results = [None] * len(tasks)
-    for i, result, seconds in run_tasks(tasks, args.jobs):
-        results[i] = result
-        for row in result if i < len(measured) else ():
-            print(progress(row, seconds), file=sys.stderr, flush=True)
-    rows = [row for case_rows in results[:len(measured)] for row in case_rows]
-    loop_rows = results[len(measured):len(measured) + len(loops)]
-    policy_rows = results[len(measured) + len(loops):len(measured) + len(loops) + (2 if loops else 0)]
-    equivalence = results[len(measured) + len(loops) + len(policy_rows):]
+    results, interrupted = [None] * len(tasks), False
+    try:
+        for i, result, seconds in run_tasks(tasks, args.jobs):
+            results[i] = result
+            for row in result if i < len(measured) else ():
+                print(progress(row, seconds), file=sys.stderr, flush=True)
+    except KeyboardInterrupt:  # e.g. a time limit (benchmarks/gpu.sh): keep what was measured
+        print("interrupted: writing the rows measured so far", file=sys.stderr, flush=True)
+        interrupted = True
+    ends = list(itertools.accumulate((len(measured), len(loops), 2 if loops else 0)))
+    done = lambda part: [r for r in part if r is not None]
+    rows = [row for case_rows in done(results[:ends[0]]) for row in case_rows]
+    loop_rows, policy_rows = done(results[ends[0]:ends[1]]), done(results[ends[1]:ends[2]])
+    equivalence = done(results[ends[2]:])
     machine = machine_line(args.jobs)
     json_path, md_path = write_results(rows, args.out, machine, equivalence, loop_rows, policy_rows)
     print(markdown_table(rows))
@@ -117,7 +123,7 @@ def main(argv=None) -> int:
         print(equivalence_markdown(equivalence))
     print(machine)
     print(f"wrote {json_path} and {md_path} in {time.perf_counter() - start:.0f} s")
-    return 0
+    return 130 if interrupted else 0  # as a shell reports an interrupted command
 
 
 if __name__ == "__main__":

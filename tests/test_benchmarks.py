@@ -134,3 +134,17 @@ def test_a_loop_row_times_the_loop_natively_and_wrapped(monkeypatch):
     assert row["served_calls"] == 2 and row["recomputed_calls"] == 0
     assert row["native_flops"] > row["optimized_flops"] > 0  # the update's forwards are gone
     assert "| llm/grpo (full), wrap (retain) |" in loops.loops_markdown([row])
+
+
+def test_an_interrupted_run_writes_the_rows_it_measured(row, tmp_path, monkeypatch):
+    """A time limit (benchmarks/gpu.sh stops the run with SIGINT) keeps what was measured, and says it stopped."""
+    import benchmarks.__main__ as main
+
+    def first_then_interrupt(tasks, jobs):
+        yield 0, [row], 1.0
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(main, "run_tasks", first_then_interrupt)
+    code = main.main(["--backbones", "sd3", "--trainers", "fast", "--out", str(tmp_path)])
+    assert code == 130
+    assert json.loads((tmp_path / "results.json").read_text()) == json.loads(json.dumps([row]))
