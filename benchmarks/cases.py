@@ -30,15 +30,14 @@ _QUICK_SIZES = {
                 text_len=16),
 }
 
-# On a GPU, at the quick sizes every kernel is launch-bound; these are wide enough (hidden size 1024, 1024 image
-# tokens; Wan 2 frames of them) for the matrix products to be most of a step.
+# On a GPU, at the quick sizes every kernel is launch-bound; these changes to them are wide enough (hidden size 1024,
+# 1024 image tokens; Wan 2 frames of them) for the matrix products to be most of a step.
+_GPU_WIDER = dict(num_attention_heads=16, height=64, width=64, text_len=64)
 _GPU_SIZES = {
-    "flux": dict(attention_head_dim=64, num_attention_heads=16, joint_attention_dim=256, axes_dims_rope=(8, 28, 28),
-                 num_layers=1, num_single_layers=2, height=64, width=64, text_len=64),
-    "sd3": dict(attention_head_dim=64, num_attention_heads=16, joint_attention_dim=256, caption_projection_dim=1024,
-                height=64, width=64, text_len=64, sample_size=64, pos_embed_max_size=64),
-    "wan": dict(attention_head_dim=64, num_attention_heads=16, text_dim=256, ffn_dim=4096, height=64, width=64,
-                text_len=64),
+    "flux": {**_QUICK_SIZES["flux"], **_GPU_WIDER, "joint_attention_dim": 256, "num_single_layers": 2},
+    "sd3": {**_QUICK_SIZES["sd3"], **_GPU_WIDER, "joint_attention_dim": 256, "caption_projection_dim": 1024,
+            "sample_size": 64, "pos_embed_max_size": 64},
+    "wan": {**_QUICK_SIZES["wan"], **_GPU_WIDER, "text_dim": 256, "ffn_dim": 4096},
 }
 
 

@@ -19,9 +19,9 @@ LOOPS = {
     "sd3/flowgrpo": (flowgrpo_sd3.Loop, flowgrpo_sd3.Config(sizes=tuple(backbone_sizes("sd3").items()))),
     "flux/dancegrpo": (dancegrpo_flux.Loop, dancegrpo_flux.Config(sizes=tuple(backbone_sizes("flux").items()))),
 }
-# The loops that can hand Reweight their loss (``wrapped.provisional``), under that schedule too.
+# Each loop under Reweight too (it hands its loss to ``wrapped.provisional``).
 LOOPS.update({f"{name}/reweight": (loop, dataclasses.replace(config, schedule="reweight"))
-              for name, (loop, config) in LOOPS.items() if hasattr(config, "schedule")})
+              for name, (loop, config) in LOOPS.items()})
 QUICK_LOOPS = ("llm/grpo",)
 
 
@@ -44,15 +44,17 @@ class _Program:
         self.trainable = [p for p in self.module.parameters() if p.requires_grad]
         self.device = self.trainable[0].device
         self.cuda = self.device.type == "cuda"
-        # its own stream of torch's generators (the LLM's ``generate`` draws on the model's device)
-        self.random = (torch.get_rng_state(), torch.cuda.get_rng_state(self.device) if self.cuda else None)
+        self.random = self._generators()  # its own stream of torch's generators (``generate`` draws on the device)
+
+    def _generators(self) -> tuple:
+        return torch.get_rng_state(), torch.cuda.get_rng_state(self.device) if self.cuda else None
 
     def step(self, _prompts) -> dict:
         torch.set_rng_state(self.random[0])
         if self.cuda:
             torch.cuda.set_rng_state(self.random[1], self.device)
         self.loop.step()
-        self.random = (torch.get_rng_state(), torch.cuda.get_rng_state(self.device) if self.cuda else None)
+        self.random = self._generators()
         return self.module.stats() if hasattr(self.module, "stats") else {}
 
 

@@ -145,7 +145,7 @@ def _compile(trainer, programs, requested: str, memory_budget, strict: bool, bud
         return _native_plan(config, requested, unshared or "no backbone call", reason), graphs, None
     pair = shared.pairs[0]
     validity = passes.check_validity(programs.rollout, programs.update, pair, strict=strict,
-                                     cast_only=shared.cast_only)
+                                     numerics_only=shared.numerics_only)
     findings = tuple(f"{f.kind}: {f.message}" for f in validity.findings)
     description = (f"update call {pair[0]} recomputes rollout call {pair[1]} ({shared.nodes} aten nodes, "
                    f"{len(shared.parameters)} parameters, batch of {shared.layout.segments} segment(s))"
@@ -154,7 +154,7 @@ def _compile(trainer, programs, requested: str, memory_budget, strict: bool, bud
         reason = "reuse refused: " + "; ".join(validity.reasons)
         return _native_plan(config, requested, description, reason, findings), graphs, None
     linearity = passes.check_linearity(programs.update)
-    refusal = _reweight_refusal(linearity, shared.cast_only)
+    refusal = _reweight_refusal(linearity, shared.numerics_only)
     steps, cost = (), None
     if requested == "auto":
         cost = _cost_plan(trainer, budget, refusal, linearity)
@@ -190,13 +190,13 @@ def _compile(trainer, programs, requested: str, memory_budget, strict: bool, bud
     return plan, graphs, _engine(trainer, Retain(shared.layout.segments, need.pruned), steps, tune_matmuls)
 
 
-def _reweight_refusal(linearity, cast_only: bool) -> str | None:
+def _reweight_refusal(linearity, numerics_only: bool) -> str | None:
     """Why Reweight cannot give the native gradient here (None if it can)."""
     if not linearity.affine:
         return f"Reweight refused: the loss is not affine in the advantages ({linearity.reason})"
     if not linearity.row_mean:
         return "Reweight refused: the loss sums over the micro-batch's rows; Reweight reads a mean"
-    if cast_only:
+    if numerics_only:
         return "Reweight refused: the update's numerics differ from the rollout's (casts or kernels), so ratio != 1"
     return None
 

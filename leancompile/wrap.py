@@ -5,10 +5,10 @@ The loop stays as it is. Its rollout calls the module without grad; each such ca
 kept (run through the per-row program, its saved tensors held) while what the kept calls hold stays under the
 memory limit. The rollout ends at the first call with grad (calls without grad after it, such as a KL reference
 with the adapters off, are not kept) and a new one begins once the weights change. Its update calls the module
-again with grad: a call whose every row has a kept row with bitwise-equal inputs and the same state (weights unmodified, training flags, adapters, autocast) is served from it, and its
-backward runs the kept rows' backward; anything else runs the module itself, and ``stats()`` says why. An
-optimizer step changes the weights' version counters, so nothing kept before it is served after it, and it is freed
-at the next call.
+again with grad: a call whose every row has a kept row with bitwise-equal inputs and the same state (weights
+unmodified, training flags, adapters, autocast) is served from it, and its backward runs the kept rows' backward;
+anything else runs the module itself, and ``stats()`` says why. An optimizer step changes the weights' version
+counters, so nothing kept before it is served after it, and it is freed at the next call.
 
 With ``schedule="reweight"`` the loop also hands the update's loss to ``wrapped.provisional(head)`` once the
 rollout's calls are made: the kept calls' per-row gradients are computed from it then, their activations freed,

@@ -9,12 +9,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from examples.loop_cli import trained_module
-from leancompile import backbones, optimize
-from leancompile.trainers import DanceGRPOConfig, DanceGRPOTrainer, FlowGRPOConfig, FlowGRPOTrainer
+from leancompile import optimize
+from leancompile.trainers import DanceGRPOConfig, FlowGRPOConfig
 
-from conftest import PromptTable, mean_reward
 from test_drop_in import LOOPS, _relative, _run
-from test_retain_equivalence import FLOAT64_OVERRIDES, grpo_configs
+from test_retain_equivalence import _build as build_trainer, _capture_first_gradient, grpo_configs
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -29,28 +28,14 @@ def _tolerance(family, schedule) -> float:
 
 
 def _build(family, config, **overrides):
-    if config.dtype == "float64":
-        overrides = {**FLOAT64_OVERRIDES.get(family, {}), **overrides}
-    backbone = backbones.tiny(family, seed=config.seed, **overrides).to(CUDA)
-    prompts = PromptTable(backbone, seed=config.seed)
-    cls = FlowGRPOTrainer if config.algorithm == "flowgrpo" else DanceGRPOTrainer
-    return cls(config, backbone, mean_reward, prompts, uncond=prompts.uncond if config.use_cfg else None)
+    return build_trainer(family, config, CUDA, **overrides)
 
 
 def _first_update(trainer) -> tuple[torch.Tensor, dict]:
-    """The gradient the first optimizer step applies, and the step's stats."""
-    grads, step = [], trainer.optimizer.step
-
-    def capturing_step(*args, **kwargs):
-        if not grads:
-            assert all(p.grad is None or p.grad.device.type == "cuda" for p in trainer.trainable)
-            grads.append(torch.cat([p.grad.flatten().double() if p.grad is not None
-                                    else torch.zeros(p.numel(), dtype=torch.float64, device=p.device)
-                                    for p in trainer.trainable]))
-        return step(*args, **kwargs)
-
-    trainer.optimizer.step = capturing_step
+    """The gradient the first optimizer step applies (on the device), and the step's stats."""
+    grads = _capture_first_gradient(trainer)
     stats = trainer.step([1, 2])
+    assert grads[0].device.type == "cuda"
     return grads[0], stats
 
 
@@ -85,7 +70,8 @@ def test_any_configuration_on_cuda_trains_as_native(config, family, schedule):
 
 # Under bf16 autocast CUDA's attention runs cuDNN's kernels; at the tiny models' head size of 16 their backward gave
 # NaN gradients in the native trainer itself (H200, torch 2.11), so this test uses heads of 64, as the real models do.
-WIDE_HEADS = {"flux": dict(attention_head_dim=64, axes_dims_rope=(8, 28, 28)), "sd3": dict(attention_head_dim=64),
+WIDE_HEADS = {"flux": dict(attention_head_dim=64, axes_dims_rope=(8, 28, 28)),
+              "sd3": dict(attention_head_dim=64, caption_projection_dim=128),  # the projection is as wide as the heads
               "wan": dict(attention_head_dim=64)}
 
 

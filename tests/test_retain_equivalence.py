@@ -55,10 +55,10 @@ def configurations(draw, dtype="float64"):
 FLOAT64_OVERRIDES = {"wan": {"cross_attn_norm": False}, "sd3": {"qk_norm": None}}
 
 
-def _build(family, config, **overrides):
+def _build(family, config, device="cpu", **overrides):
     if config.dtype == "float64":
         overrides = {**FLOAT64_OVERRIDES.get(family, {}), **overrides}
-    backbone = backbones.tiny(family, seed=config.seed, **overrides)
+    backbone = backbones.tiny(family, seed=config.seed, **overrides).to(device)
     prompts = PromptTable(backbone, seed=config.seed)
     cls = FlowGRPOTrainer if config.algorithm == "flowgrpo" else DanceGRPOTrainer
     return cls(config, backbone, mean_reward, prompts, uncond=prompts.uncond if config.use_cfg else None)
@@ -71,7 +71,7 @@ def _capture_first_gradient(trainer):
     def capturing_step(*args, **kwargs):
         if not grads:
             grads.append(torch.cat([p.grad.flatten().double() if p.grad is not None else torch.zeros(p.numel(),
-                                    dtype=torch.float64) for p in trainer.trainable]))
+                                    dtype=torch.float64, device=p.device) for p in trainer.trainable]))
         return step(*args, **kwargs)
 
     trainer.optimizer.step = capturing_step

@@ -45,7 +45,7 @@ class SharedBackbone:
     parameters: tuple[str, ...]  # the parameters the shared call reads
     nodes: int  # backbone nodes of the update that are reused
     unshared: tuple[tuple[int, str], ...]  # (update call index, reason)
-    cast_only: bool = False  # the pair matched only modulo dtype casts: the numerics differ
+    numerics_only: bool = False  # the pair matched only modulo casts or kernel flags: the numerics differ
 
     @property
     def found(self) -> bool:
@@ -75,8 +75,8 @@ def _hashed_args(node: fx.Node, numerics_neutral: bool) -> tuple:
     return (*node.args[:flag], None, *node.args[flag + 1:])
 
 
-def structural_hashes(gm: fx.GraphModule, ignore_casts: bool = False) -> dict[fx.Node, str]:
-    """The Merkle hash of every node (see the module docstring). With ``ignore_casts`` a dtype cast hashes as its
+def structural_hashes(gm: fx.GraphModule, numerics_only: bool = False) -> dict[fx.Node, str]:
+    """The Merkle hash of every node (see the module docstring). With ``numerics_only`` a dtype cast hashes as its
     input, and cuDNN attention with and without its log-sum-exp alike, so two programs that differ only in
     numerics (e.g. an fp16 round trip before the backbone) match."""
     hashes: dict[fx.Node, str] = {}
@@ -93,11 +93,11 @@ def structural_hashes(gm: fx.GraphModule, ignore_casts: bool = False) -> dict[fx
             key = node.meta.get(INPUT, node.name)
         elif node.op == "get_attr":
             key = "const:" + _hash_constant(getattr(gm, node.target))
-        elif ignore_casts and op_name(node) == "_to_copy.default":
+        elif numerics_only and op_name(node) == "_to_copy.default":
             hashes[node] = hashes[node.args[0]]
             continue
         else:
-            key = (op_name(node) + arg_key(_hashed_args(node, ignore_casts))
+            key = (op_name(node) + arg_key(_hashed_args(node, numerics_only))
                    + arg_key(tuple(sorted(node.kwargs.items()))))
         hashes[node] = hashlib.sha1(key.encode()).hexdigest()
     return hashes
@@ -167,8 +167,8 @@ def detect_shared_backbone(rollout: fx.GraphModule, update: fx.GraphModule) -> S
     casts (a numerics difference the validity pass reports)."""
     r_calls, u_calls = backbone_calls(rollout), backbone_calls(update)
     exact = (structural_hashes(rollout), structural_hashes(update))
-    loose = (structural_hashes(rollout, ignore_casts=True), structural_hashes(update, ignore_casts=True))
-    pairs, unshared, layout, params, reused, cast_only = [], [], None, (), 0, False
+    loose = (structural_hashes(rollout, numerics_only=True), structural_hashes(update, numerics_only=True))
+    pairs, unshared, layout, params, reused, numerics_only = [], [], None, (), 0, False
     for index, nodes in u_calls.items():
         call = nodes[0].meta[CALL]
         inputs, outputs = call_boundary(nodes)
@@ -184,7 +184,7 @@ def detect_shared_backbone(rollout: fx.GraphModule, update: fx.GraphModule) -> S
             unshared.append((index, _why_unshared(update, nodes, exact[1], r_calls, exact[0])))
             continue
         pairs.append((index, twin))
-        cast_only = cast_only or is_loose
+        numerics_only = numerics_only or is_loose
         for node in nodes:
             if u_hash[node] in by_hash:
                 node.meta[SHARED] = by_hash[u_hash[node]][1].name
@@ -195,7 +195,7 @@ def detect_shared_backbone(rollout: fx.GraphModule, update: fx.GraphModule) -> S
         for node in call_boundary(r_calls[twin])[0]:
             node.meta[PROVENANCE] = layout
         params = tuple(sorted(n.meta[INPUT][6:] for n in inputs if n.meta.get(INPUT, "").startswith("param:")))
-    return SharedBackbone(tuple(pairs), layout, params, reused, tuple(unshared), cast_only)
+    return SharedBackbone(tuple(pairs), layout, params, reused, tuple(unshared), numerics_only)
 
 
 def _why_unshared(update, nodes, u_hash, r_calls, r_hash) -> str:

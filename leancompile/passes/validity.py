@@ -49,7 +49,7 @@ class Validity:
 
 
 def check_validity(rollout: fx.GraphModule, update: fx.GraphModule, pair: tuple[int, int], strict: bool = False,
-                   cast_only: bool = False) -> Validity:
+                   numerics_only: bool = False) -> Validity:
     u_nodes, r_nodes = backbone_calls(update)[pair[0]], backbone_calls(rollout)[pair[1]]
     u_call, r_call = u_nodes[0].meta[CALL], r_nodes[0].meta[CALL]
     findings = []
@@ -63,7 +63,7 @@ def check_validity(rollout: fx.GraphModule, update: fx.GraphModule, pair: tuple[
     if u_call.autocast != r_call.autocast:
         findings.append(Finding("numerics", f"autocast differs: rollout {r_call.autocast}, update {u_call.autocast}; "
                                 "reuse keeps the rollout's numerics", strict))
-    if cast_only:
+    if numerics_only:
         findings.append(Finding("numerics", "the rollout and the update differ in numerics only (dtype casts of the "
                                 "backbone's inputs, or cuDNN attention's training graph); reuse keeps the rollout's "
                                 "numerics", strict))

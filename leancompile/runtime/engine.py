@@ -342,12 +342,9 @@ class ReuseEngine:
         call is kept after this ran, so the kept calls always share one version."""
         if not self.kept or self.kept[0].state.versions == state.versions:
             return
-        stale = [k for k in self.kept if k.state.versions != state.versions]
-        if stale:
-            self.kept = [k for k in self.kept if k.state.versions == state.versions]
-            self._reindex(stale)
-            if not self.kept:  # the fingerprint was of the weights they were made with
-                self._fingerprint, self._checked = None, True
+        self.forget([k for k in self.kept if k.state.versions != state.versions])
+        if not self.kept:  # the fingerprint was of the weights they were made with
+            self._fingerprint, self._checked = None, True
 
     def forget(self, calls: list[KeptCall]) -> None:
         """Free ``calls`` now: a later call with their inputs runs natively."""

@@ -70,7 +70,8 @@ class Reweight(Schedule):
             basis = [heads_cot[0] - heads_cot[-1], heads_cot[-1]] if len(heads_cot) > 1 else heads_cot
             if len(basis) > 1 and not bool(basis[1].any()):
                 basis = basis[:1]
-            if not any(bool(b.any()) for b in basis):  # no head reached it (a step no update trains): no backward, freed
+            # No head reached it (a step no update trains): no backward, freed.
+            if not any(bool(b.any()) for b in basis):
                 untouched.append(kept)
                 continue
             grads = [kept.rowwise.backward(kept.key, kept.rows, c.to(kept.output.dtype), per_row=True) for c in basis]
