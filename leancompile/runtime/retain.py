@@ -37,8 +37,8 @@ class Retain(Schedule):
         if self.pruned and rows % self.segments == 0:
             keep = [r for r in keep if r // (rows // self.segments) not in self.pruned]
         if len(keep) < rows:
-            index = torch.tensor(keep, device=kept.output.device)
-            saved = [t[index] if row else t for t, row in zip(saved, per_row)]
+            pick = RowPick(keep)
+            saved = [pick.of(t) if row else t for t, row in zip(saved, per_row)]
         if getattr(action, "kind", "retain") == "offload":
             pin = torch.cuda.is_available()
             saved = [(t.to("cpu").pin_memory() if pin else t.to("cpu")) if row else t
