@@ -11,6 +11,7 @@ from . import passes
 from .optimized import optimized_class
 from .plan import Plan, StepAction
 from .protocol import check_protocol
+from .runtime.bitwise import BitwiseRetain
 from .runtime.engine import ReuseEngine
 from .runtime.retain import Retain
 from .runtime.reweight import Reweight
@@ -47,9 +48,22 @@ REUSE_RULE = ("per backbone call, verified when it happens: every row's inputs b
               "autocast; anything else recomputes natively (stats: recompute_reasons)")
 
 
+EXACTNESS = {
+    "native": "native: the trainer's own program",
+    "bitwise": ("bitwise native (bitwise=True): both phases run the module's own eager kernels, and a call is "
+                "served only where its batch is a kept call's, so rollouts, gradients and weights are native's to the "
+                "bit in any precision"),
+    "retain": ("exact in real arithmetic, float64 within rounding: the per-row program rounds differently from "
+               "native's eager kernels, so a float32 or bf16 run drifts from native's (bitwise=True keeps its bits)"),
+    "reweight": ("exact in real arithmetic, float64 within rounding: the gradient is a combination of provisional "
+                 "gradients, rounded differently from native's backward"),
+}
+
+
 def _native_plan(config, requested: str, shared: str, reason: str, findings=()) -> Plan:
     steps = tuple(StepAction(i, "native", reason) for i in range(config.num_steps))
-    return Plan("native", requested, steps, "none", shared, "nothing", tuple(findings), choice=reason)
+    return Plan("native", requested, steps, "none", shared, "nothing", tuple(findings), choice=reason,
+                exactness=EXACTNESS["native"])
 
 
 def _engine(trainer, schedule, plan_steps, tune_matmuls: bool) -> ReuseEngine:
@@ -61,7 +75,7 @@ def _engine(trainer, schedule, plan_steps, tune_matmuls: bool) -> ReuseEngine:
 
 def optimize(trainer, schedule: str = "auto", memory_budget: float | None = None, strict: bool = False,
              memory_limit: int | None = None, samples_per_step: int | None = None, device=None,
-             tune_matmuls: bool = True):
+             tune_matmuls: bool = True, bitwise: bool = False):
     """Return a trainer that runs the same GRPO step as ``trainer`` with the redundant backbone forward removed.
 
     Args:
@@ -81,6 +95,10 @@ def optimize(trainer, schedule: str = "auto", memory_budget: float | None = None
         tune_matmuls: time each matrix product of the compiled backbone both ways on the device when it compiles
             and run the faster (:mod:`leancompile.passes.matmul_order`); False runs them as traced, so that the
             graphs and their rounding do not depend on timings.
+        bitwise: keep native's bits in every precision: Retain keeps the eager autograd graph of each kept rollout
+            call and serves an update call only when it holds exactly that call's rows in their order (rollout batch
+            equal to the update's micro-batch); other calls recompute natively, Reweight and partial retention are
+            refused. Without it Retain is exact in real arithmetic (float64 within 1e-10) but rounds differently.
 
     Returns:
         The optimized trainer, with ``.plan``, ``.graphs`` and ``.explain()``.
@@ -91,6 +109,11 @@ def optimize(trainer, schedule: str = "auto", memory_budget: float | None = None
         raise ValueError(f"memory_budget must be a fraction in [0, 1] of the saved activations; got {memory_budget!r}")
     if not isinstance(strict, bool):
         raise ValueError(f"strict must be True or False; got {strict!r}")
+    if not isinstance(bitwise, bool):
+        raise ValueError(f"bitwise must be True or False; got {bitwise!r}")
+    if bitwise and memory_budget is not None and memory_budget < 1:
+        raise ValueError(f"memory_budget={memory_budget!r} with bitwise=True: partial retention recomputes part of the "
+                         "forward in the per-row program, which is not bitwise; drop one of them")
     if not isinstance(tune_matmuls, bool):
         raise ValueError(f"tune_matmuls must be True or False; got {tune_matmuls!r}")
     if memory_limit is not None and (not isinstance(memory_limit, int) or memory_limit <= 0):
@@ -108,7 +131,8 @@ def optimize(trainer, schedule: str = "auto", memory_budget: float | None = None
                                 "schedule='native': the untransformed program")
             graphs, runtime = {"rollout": programs.rollout, "update": programs.update}, None
         else:
-            plan, graphs, runtime = _compile(subject, programs, schedule, memory_budget, strict, budget, tune_matmuls)
+            plan, graphs, runtime = _compile(subject, programs, schedule, memory_budget, strict, budget, tune_matmuls,
+                                             bitwise)
     optimized = copy.copy(trainer)
     optimized.__class__ = optimized_class(type(trainer))
     optimized.plan = plan
@@ -134,7 +158,7 @@ class _Budget:
 
 
 def _compile(trainer, programs, requested: str, memory_budget, strict: bool, budget: _Budget,
-             tune_matmuls: bool):
+             tune_matmuls: bool, bitwise: bool):
     """Run the passes in order; where one finds no valid reuse, the plan is native and says why."""
     config = trainer.config
     graphs = {"rollout": programs.rollout, "update": programs.update}
@@ -153,13 +177,19 @@ def _compile(trainer, programs, requested: str, memory_budget, strict: bool, bud
     if not validity.reusable:
         reason = "reuse refused: " + "; ".join(validity.reasons)
         return _native_plan(config, requested, description, reason, findings), graphs, None
+    if bitwise and shared.numerics_only:
+        reason = ("reuse refused: bitwise=True, and the rollout's call and the update's run different operators "
+                  "(they match only modulo casts or kernel flags), so native's own update rounds differently")
+        return _native_plan(config, requested, description, reason, findings), graphs, None
     linearity = passes.check_linearity(programs.update)
-    refusal = _reweight_refusal(linearity, shared.numerics_only)
+    refusal = _reweight_refusal(linearity, shared.numerics_only, bitwise)
     steps, cost = (), None
     if requested == "auto":
         cost = _cost_plan(trainer, budget, refusal, linearity)
         auto = cost["auto"]
         use_reweight, steps = auto.runs == "reweight", auto.steps if auto.runs == "retain" else ()
+        if bitwise:  # the eager graph is kept whole or not at all
+            steps = tuple(a if a in ("retain", "recompute") else "recompute" for a in steps)
         choice = (f"auto: planned on {cost.device} within {cost_planner.format_bytes(cost.budget)}: {auto.note}; predicted "
                   + ", ".join(f"{e.schedule} {cost.speedup(e.schedule):.2f}x" + ("" if e.fits else " (does not fit)")
                               for e in cost.estimates[:3]))
@@ -175,7 +205,7 @@ def _compile(trainer, programs, requested: str, memory_budget, strict: bool, bud
                         rollout_traced=programs.rollout)
         steps = _steps(config, "reweight")
         plan = Plan("reweight", requested, steps, REUSE_RULE, description, "nothing", findings,
-                    _describe_linearity(linearity), BUFFERS, choice, cost)
+                    _describe_linearity(linearity), BUFFERS, choice, cost, EXACTNESS["reweight"])
         return plan, graphs, _engine(trainer, Reweight(bool(linearity.advantage_free)), steps, tune_matmuls)
     need = passes.prune_gradient_need(programs.update, pair[0], shared.layout.segments)
     rewritten = passes.rewrite_for_retain(programs.rollout, programs.update, pair)
@@ -183,15 +213,20 @@ def _compile(trainer, programs, requested: str, memory_budget, strict: bool, bud
               "rollout_traced": programs.rollout, "update_traced": programs.update}
     pruned = (f"segment(s) {list(need.pruned)} of the batch carry no gradient (e.g. a detached CFG branch): "
               "the rollout keeps nothing for them") if need.pruned else "nothing"
-    default = f"retain@{memory_budget}" if memory_budget is not None and memory_budget < 1 else "retain"
-    steps = _steps(config, default, steps)
+    partial = memory_budget is not None and memory_budget < 1
+    steps = _steps(config, f"retain@{memory_budget}" if partial else "retain", steps)
+    if bitwise:
+        pruned = "nothing (bitwise: the eager graph is kept whole)"
     plan = Plan("retain", requested, steps, REUSE_RULE, description, pruned, findings,
-                _describe_linearity(linearity), "none", choice, cost)
-    return plan, graphs, _engine(trainer, Retain(shared.layout.segments, need.pruned), steps, tune_matmuls)
+                _describe_linearity(linearity), "none", choice, cost, EXACTNESS["bitwise" if bitwise else "retain"])
+    kept = BitwiseRetain() if bitwise else Retain(shared.layout.segments, need.pruned)
+    return plan, graphs, _engine(trainer, kept, steps, tune_matmuls)
 
 
-def _reweight_refusal(linearity, numerics_only: bool) -> str | None:
+def _reweight_refusal(linearity, numerics_only: bool, bitwise: bool) -> str | None:
     """Why Reweight cannot give the native gradient here (None if it can)."""
+    if bitwise:
+        return "Reweight refused: bitwise=True, and its gradient is a combination of provisional gradients"
     if not linearity.affine:
         return f"Reweight refused: the loss is not affine in the advantages ({linearity.reason})"
     if not linearity.row_mean:

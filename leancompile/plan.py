@@ -41,6 +41,7 @@ class Plan:
     buffers: str = "none"  # how Reweight holds its provisional gradients, and why
     choice: str = ""  # why this schedule rather than the others
     cost: object = None  # the planner's predictions (a leancompile.cost.CostPlan) when auto chose
+    exactness: str = ""  # how close to native's bits the program is, and why
 
     def __str__(self) -> str:
         lines = [f"leancompile plan: schedule={self.schedule} (requested {self.requested})",
@@ -49,7 +50,8 @@ class Plan:
                  f"  pruned:          {self.pruned}",
                  f"  linearity:       {self.linearity}",
                  f"  buffers:         {self.buffers}",
-                 f"  choice:          {self.choice}"]
+                 f"  choice:          {self.choice}",
+                 f"  exactness:       {self.exactness}"]
         lines += [f"  finding:         {f}" for f in self.findings]
         if self.cost is not None:
             lines += ["  " + line for line in str(self.cost).splitlines()]

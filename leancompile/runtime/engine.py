@@ -112,8 +112,13 @@ class Schedule:
     def keep(self, engine: "ReuseEngine", kept: KeptCall, saved: list[torch.Tensor], action) -> None:
         raise NotImplementedError
 
-    def claim(self, match: Match) -> str | None:
-        """Reserve ``match``'s rows for one served call with grad; why not (None: reserved)."""
+    def forward(self, engine: "ReuseEngine", rowwise: RowwiseBackbone, key: tuple, call: Call) -> tuple:
+        """Run a call to keep: its output values and what :meth:`keep` is handed (the per-row program's saved
+        tensors)."""
+        return rowwise.forward(key, call)
+
+    def claim(self, match: Match) -> tuple[str, str] | None:
+        """Reserve ``match``'s rows for one served call with grad; why not, and the reason's kind (None: reserved)."""
         return None
 
     def available(self, kept: KeptCall, row: int) -> bool:
@@ -209,8 +214,7 @@ class ReuseEngine:
             if any(t.requires_grad for t in call.tensors):
                 reason, kind = "an input requires grad: its gradient is not kept", "input grad"
             else:
-                reason = self.schedule.claim(match)
-                kind = "used"
+                reason, kind = self.schedule.claim(match) or (None, "")
             if reason is None:
                 record = CallRecord("served", len(match.places), f"verified ({self.schedule.name})")
                 self.log.records.append(record)
@@ -248,7 +252,7 @@ class ReuseEngine:
         if self._fingerprint is None:
             self._fingerprint = self.reader.fingerprint()
         self.check_seconds += time.perf_counter() - start
-        output, saved = rowwise.forward(key, call)
+        output, saved = self.schedule.forward(self, rowwise, key, call)
         start = time.perf_counter()
         kept = self._remember(state, call, output, program.output, rowwise, key)
         self.check_seconds += time.perf_counter() - start

@@ -86,12 +86,12 @@ class Reweight(Schedule):
         # Two samples can be equal (an LLM's group often holds the same completion twice): each has its own row.
         return not (isinstance(kept.rows, ProvisionalRows) and bool(kept.rows.used[row]))
 
-    def claim(self, match: Match) -> str | None:
+    def claim(self, match: Match) -> tuple[str, str] | None:
         places = [(kept.rows, row) for kept, row in match.places]
         if not all(isinstance(rows, ProvisionalRows) for rows, _ in places):
-            return "the rollout did not backpropagate these rows"
+            return "the rollout did not backpropagate these rows", "used"
         if any(bool(rows.used[row]) for rows, row in places):
-            return "a row's provisional gradient was already used by an earlier call"
+            return "a row's provisional gradient was already used by an earlier call", "used"
         for rows, row in places:
             rows.used[row] = True
         return None

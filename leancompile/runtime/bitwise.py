@@ -1,0 +1,70 @@
+"""Bitwise Retain: native's own kernels in both phases, so the run is native's to the bit (float32 and bf16 alike).
+
+The per-row program (:mod:`.retain`) is exact in real arithmetic, but its kernels (a vmapped one-row partition,
+matrix products reassociated, gradients summed per row) round differently from the eager kernels native runs, so
+in float32 or bf16 a run drifts from native's. Here a kept call runs the module itself, eagerly, with grad enabled
+(autocast as the caller set it; activation checkpointing off), and keeps that call's autograd graph. The rollout
+gets the forward's values: native's no-grad forward computes the same bits with the same kernels. A served call
+backpropagates the kept graph: the backward native's update runs after its own identical forward, on the same
+values, in the same order.
+
+Native's gradient depends on the batch it backpropagates (a weight's gradient sums over the batch's rows in one
+matrix product), so a call is served only when it holds exactly one kept call's rows in their order (a rollout
+batch equal to the update's micro-batch, e.g. DanceGRPO's one sample per call); any other grouping recomputes
+natively, counted under the kind ``batch``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .calls import Call, output_tensor
+from .engine import KeptCall, Match, ReuseEngine, Schedule
+from .partition import without_checkpointing
+
+
+@dataclass
+class KeptGraph:
+    output: torch.Tensor  # the eager forward's output, its autograd graph attached
+    nbytes: int  # what the graph holds besides the weights
+
+
+class BitwiseRetain(Schedule):
+    name = "retain, bitwise"
+    held = "retained_bytes"
+
+    def forward(self, engine: ReuseEngine, rowwise, key: tuple, call: Call) -> tuple[torch.Tensor, list]:
+        weights = {p.untyped_storage().data_ptr() for p in rowwise.weights}
+        saved: dict[int, int] = {}
+
+        def pack(t: torch.Tensor):  # counts what the graph holds: activations, not the weights it saves as views
+            storage = t.untyped_storage()
+            if storage.data_ptr() not in weights:
+                saved[storage.data_ptr()] = storage.nbytes()
+            return t
+
+        with torch.enable_grad(), without_checkpointing(engine.backbone), \
+                torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            output, _, _ = output_tensor(engine.backbone(*call.args, **call.kwargs))
+        return output.detach(), [KeptGraph(output, sum(saved.values()))]
+
+    def keep(self, engine: ReuseEngine, kept: KeptCall, saved: list, action) -> None:
+        kept.rows = saved[0]
+        kept.nbytes = saved[0].nbytes
+
+    def claim(self, match: Match) -> tuple[str, str] | None:
+        groups = match.by_call()
+        kept, rows, positions = groups[0]
+        whole = list(range(len(kept.output)))
+        if len(groups) != 1 or rows != whole or positions != whole:
+            return ("its rows are not exactly one kept call's rows in their order (native's gradient depends on "
+                    "the batch)", "batch")
+        return None
+
+    def gradients(self, engine: ReuseEngine, match: Match, cotangent: torch.Tensor) -> list:
+        kept = match.places[0][0]
+        # retain_graph: a second epoch before any optimizer step backpropagates it again (native recomputes the
+        # same forward then). Parameters the graph does not reach get no gradient, as in native's backward.
+        return list(torch.autograd.grad(kept.rows.output, engine.trainable(match), cotangent, retain_graph=True,
+                                        allow_unused=True))
