@@ -25,6 +25,7 @@ import torch
 
 from .cost.devices import free_memory
 from .plan import StepAction
+from .runtime.bitwise import BitwiseRetain
 from .runtime.calls import Call
 from .runtime.engine import ReuseEngine
 from .runtime.retain import Retain
@@ -121,7 +122,7 @@ class Wrapped(torch.nn.Module):
 
 
 def wrap(module: torch.nn.Module, schedule: str = "retain", memory_limit: int | None = None,
-         shared: tuple[str, ...] = SHARED_ARGUMENTS, tune_matmuls: bool = True) -> Wrapped:
+         shared: tuple[str, ...] = SHARED_ARGUMENTS, tune_matmuls: bool = True, bitwise: bool = False) -> Wrapped:
     """Wrap ``module`` so that its calls with grad are served from its earlier calls without grad where that is
     verified to compute the same thing.
 
@@ -136,6 +137,9 @@ def wrap(module: torch.nn.Module, schedule: str = "retain", memory_limit: int | 
         shared: keyword arguments that every row shares whatever their leading size (tensors whose leading size
             differs from the batch's are shared anyway).
         tune_matmuls: as in :func:`leancompile.optimize`.
+        bitwise: ``schedule="retain"`` keeping the module's own eager autograd graph (:mod:`leancompile.runtime.bitwise`):
+            the loop's run is native's bit for bit in any precision; an update call is served only when it holds
+            exactly one kept call's rows in their order.
 
     Returns:
         The wrapped module; put it where the module was (inside ``DistributedDataParallel`` too).
@@ -152,7 +156,11 @@ def wrap(module: torch.nn.Module, schedule: str = "retain", memory_limit: int | 
         raise ValueError(f"shared must be a tuple of keyword-argument names; got {shared!r}")
     if not isinstance(tune_matmuls, bool):
         raise ValueError(f"tune_matmuls must be True or False; got {tune_matmuls!r}")
-    engine = ReuseEngine(module, Reweight() if schedule == "reweight" else Retain(),
+    if bitwise not in (True, False) or (bitwise and schedule != "retain"):
+        raise ValueError(f"bitwise=True keeps eager graphs on the device: it needs schedule='retain', got "
+                         f"schedule={schedule!r}, bitwise={bitwise!r}")
+    kept = BitwiseRetain() if bitwise else Reweight() if schedule == "reweight" else Retain()
+    engine = ReuseEngine(module, kept,
                          {1.0: RowwiseBackbone(module, tune_matmuls=tune_matmuls)}, shared=frozenset(shared))
     action = StepAction(0, schedule, "a call without grad of the wrapped module that matches no kept call")
     engine.admit = _Admission(engine, action, memory_limit)

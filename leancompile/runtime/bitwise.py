@@ -34,6 +34,23 @@ class BitwiseRetain(Schedule):
     name = "retain, bitwise"
     held = "retained_bytes"
 
+    def __init__(self):
+        self._verdicts: dict[tuple, str | None] = {}  # per compile key: why its forward with grad is not native's
+
+    def refusal(self, engine: ReuseEngine, key: tuple, call: Call) -> str | None:
+        """Once per compile key: the module's forward with grad must give its forward without grad's bits. Some
+        kernels are chosen by grad mode (matmul folds a batch into one matrix product when a weight requires grad,
+        and where the input's strides allow it otherwise), and then the rollout native runs is not the one a kept
+        graph would give."""
+        if key not in self._verdicts:
+            with torch.no_grad():
+                without, _, _ = output_tensor(engine.backbone(*call.args, **call.kwargs))
+            with torch.enable_grad(), without_checkpointing(engine.backbone):
+                with_grad, _, _ = output_tensor(engine.backbone(*call.args, **call.kwargs))
+            self._verdicts[key] = None if torch.equal(without, with_grad.detach()) else (
+                "bitwise: its forward with grad runs other kernels than without (not native's rollout bits)")
+        return self._verdicts[key]
+
     def forward(self, engine: ReuseEngine, rowwise, key: tuple, call: Call) -> tuple[torch.Tensor, list]:
         weights = {p.untyped_storage().data_ptr() for p in rowwise.weights}
         saved: dict[int, int] = {}

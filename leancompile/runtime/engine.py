@@ -112,6 +112,10 @@ class Schedule:
     def keep(self, engine: "ReuseEngine", kept: KeptCall, saved: list[torch.Tensor], action) -> None:
         raise NotImplementedError
 
+    def refusal(self, engine: "ReuseEngine", key: tuple, call: Call) -> str | None:
+        """Why this schedule cannot keep calls of compile key ``key`` (None: it can); asked before each keep."""
+        return None
+
     def forward(self, engine: "ReuseEngine", rowwise: RowwiseBackbone, key: tuple, call: Call) -> tuple:
         """Run a call to keep: its output values and what :meth:`keep` is handed (the per-row program's saved
         tensors)."""
@@ -245,8 +249,9 @@ class ReuseEngine:
         rowwise = self.rowwise[getattr(action, "fraction", 1.0)]
         key = state.compile_key
         program = rowwise.program(key, call)
-        if program.refusal is not None:
-            self.log.records.append(CallRecord("not kept", call.batch, program.refusal, "not keepable"))
+        refusal = program.refusal or self.schedule.refusal(self, key, call)
+        if refusal is not None:
+            self.log.records.append(CallRecord("not kept", call.batch, refusal, "not keepable"))
             return self.backbone(*call.args, **call.kwargs)
         start = time.perf_counter()
         if self._fingerprint is None:
