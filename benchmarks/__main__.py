@@ -17,7 +17,7 @@ from .loops import LOOPS, QUICK_LOOPS, loops_markdown, measure_loop, on_policy, 
 from .measure import measure_case
 from .report import equivalence_markdown, machine_line, markdown_table, write_results
 
-SCHEDULES = ("retain", "reweight", "auto")
+SCHEDULES = ("retain", "reweight", "auto", "bitwise")  # bitwise: Retain with optimize(..., bitwise=True)
 
 QUICK_REPETITIONS = 5
 FULL_REPETITIONS = 7
@@ -99,6 +99,7 @@ def main(argv=None) -> int:
     tasks += [(on_policy, precision, args.device) for precision in (("float32", "bf16") if loops else ())]
     if args.equivalence_steps > 0:
         tasks += [(train_side_by_side, args.equivalence_steps, precision) for precision in ("float64", "bf16")]
+        tasks += [(train_side_by_side, args.equivalence_steps, precision, True) for precision in ("float32", "bf16")]
     results, interrupted = [None] * len(tasks), False
     try:
         for i, result, seconds in run_tasks(tasks, args.jobs):

@@ -40,8 +40,10 @@ def build_programs(case: Case, schedules: tuple[str, ...]) -> dict:
     is left out, and the plan's reason printed."""
     programs = {"native": build_trainer(case)}
     for schedule in schedules:
-        optimized = leancompile.optimize(build_trainer(case), schedule=schedule)
-        if schedule != "auto" and optimized.plan.schedule != schedule:
+        bitwise = schedule == "bitwise"  # Retain keeping native's bits: kept eager graphs, served whole calls only
+        optimized = leancompile.optimize(build_trainer(case), schedule="retain" if bitwise else schedule,
+                                         bitwise=bitwise)
+        if schedule not in ("auto", "bitwise") and optimized.plan.schedule != schedule:
             print(f"{case.name}: {schedule} not measured: {optimized.plan.choice}", file=sys.stderr, flush=True)
             continue
         programs[schedule] = optimized
@@ -190,7 +192,11 @@ def measure_case(case: Case, repetitions: int, schedules: tuple[str, ...] = ("re
         row["ratio"] = row["speedup"] / row["ideal_speedup"]
         rows.append(row)
     singles = [s for s in schedules if s in ("retain", "reweight")]
+    fastest = max((r for r in rows if r["schedule"] != "bitwise"), key=lambda r: r["speedup"], default=None)
     for row in rows:
+        if row["schedule"] == "bitwise" and fastest is not None:
+            # What keeping native's bits costs against the fastest non-bitwise program, paired round by round.
+            row["bitwise_vs_fastest"] = paired_speedup(times[timed_as[fastest["schedule"]]], times["bitwise"], "wall")
         if row["schedule"] == "auto" and singles:
             # Auto against the single schedule it is slowest against, paired round by round like the speedups: a
             # quotient of two speedups would compound both pairings' noise. The floor is 0.97 (3% slower).

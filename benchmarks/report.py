@@ -22,6 +22,7 @@ COLUMNS = (
     ("measured/ideal", "ratio", "{:.2f}"),
     ("predicted", "predicted_speedup", "{:.2f}x"),
     ("auto/best", "auto_vs_best", "{:.2f}"),
+    ("bitwise/fastest", "bitwise_vs_fastest", "{:.2f}"),
     ("checks", "check_fraction", "{:.1%}"),
     ("CPU-time speedup", "cpu_speedup", "{:.2f}x"),
     ("held MiB", "held_bytes", "{:.2f}"),
