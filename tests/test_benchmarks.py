@@ -148,3 +148,11 @@ def test_an_interrupted_run_writes_the_rows_it_measured(row, tmp_path, monkeypat
     code = main.main(["--backbones", "sd3", "--trainers", "fast", "--out", str(tmp_path)])
     assert code == 130
     assert json.loads((tmp_path / "results.json").read_text()) == json.loads(json.dumps([row]))
+
+
+def test_the_bitwise_row_trains_native_weights_bit_for_bit_and_says_what_it_costs():
+    case = cases(families=["wan"], trainers=["dancegrpo"], tunings=["lora"], smallest=True)[0]
+    rows = measure_case(case, repetitions=1, schedules=("retain", "bitwise"))
+    bitwise = next(r for r in rows if r["schedule"] == "bitwise")
+    assert bitwise["max_rel_weight_diff"] == 0.0 and bitwise["served_calls"] > 0
+    assert bitwise["predicted_speedup"] is None and bitwise["bitwise_vs_fastest"] > 0
