@@ -1,7 +1,10 @@
 """Bitwise Retain (``optimize(..., bitwise=True)``): in float32 and bf16 the optimized step is native's bit for bit
 (rewards, the applied gradient, the weights), and where the rollout's batch is the update's micro-batch it reuses."""
+import gc
+
 import pytest
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -9,6 +12,7 @@ import leancompile
 from examples import dancegrpo_flux, grpo_llm
 from examples.loop_cli import trained_module
 from leancompile import optimize
+from leancompile.runtime.bitwise import BitwiseRetain
 from leancompile.trainers import DanceGRPOConfig, FlowGRPOConfig
 
 from test_retain_equivalence import _build, _capture_first_gradient
@@ -120,3 +124,25 @@ def test_a_wrapped_loop_under_bitwise_retain_is_native_to_the_bit(module, config
 def test_wrap_bitwise_needs_retain():
     with pytest.raises(ValueError, match="bitwise=True keeps eager graphs"):
         leancompile.wrap(torch.nn.Linear(2, 2), schedule="reweight", bitwise=True)
+
+
+def test_kept_graphs_are_freed_at_the_end_of_the_step():
+    """Regrouped micro-batches serve nothing: every activation the rollout's kept graphs saved must still be freed
+    (an operator's output saved with its own grad_fn would otherwise hold its graph in a reference cycle through
+    C++, which no collector frees)."""
+    config = FlowGRPOConfig(num_steps=2, group_size=2, train_batch_size=2, dtype="float32", guidance_scale=2.5)
+    optimized = optimize(_build("sd3", config), schedule="retain", bitwise=True)
+    storages, pack = [], BitwiseRetain.pack
+
+    def recording(weights, saved, t):
+        if t.untyped_storage().data_ptr() not in weights:
+            storages.append(StorageWeakRef(t.untyped_storage()))
+        return pack(weights, saved, t)
+
+    BitwiseRetain.pack = staticmethod(recording)
+    try:
+        optimized.step([1, 2])
+    finally:
+        BitwiseRetain.pack = staticmethod(pack)
+    gc.collect()
+    assert storages and all(ref.expired() for ref in storages)

@@ -15,6 +15,7 @@ natively, counted under the kind ``batch``.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -54,17 +55,20 @@ class BitwiseRetain(Schedule):
     def forward(self, engine: ReuseEngine, rowwise, key: tuple, call: Call) -> tuple[torch.Tensor, list]:
         weights = {p.untyped_storage().data_ptr() for p in rowwise.weights}
         saved: dict[int, int] = {}
-
-        def pack(t: torch.Tensor):  # counts what the graph holds: activations, not the weights it saves as views
-            storage = t.untyped_storage()
-            if storage.data_ptr() not in weights:
-                saved[storage.data_ptr()] = storage.nbytes()
-            return t
-
         with torch.enable_grad(), without_checkpointing(engine.backbone), \
-                torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                torch.autograd.graph.saved_tensors_hooks(functools.partial(self.pack, weights, saved), _unpack):
             output, _, _ = output_tensor(engine.backbone(*call.args, **call.kwargs))
         return output.detach(), [KeptGraph(output, sum(saved.values()))]
+
+    @staticmethod
+    def pack(weights: set, saved: dict, t: torch.Tensor) -> torch.Tensor:
+        """Counts what the graph holds (activations, not the weights it saves as views); returns ``t`` detached: an
+        operator's own output saved with its grad_fn would hold that node, a reference cycle through C++ that no
+        collector frees (the graph would leak)."""
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in weights:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return t.detach()
 
     def keep(self, engine: ReuseEngine, kept: KeptCall, saved: list, action) -> None:
         kept.rows = saved[0]
@@ -85,3 +89,7 @@ class BitwiseRetain(Schedule):
         # same forward then). Parameters the graph does not reach get no gradient, as in native's backward.
         return list(torch.autograd.grad(kept.rows.output, engine.trainable(match), cotangent, retain_graph=True,
                                         allow_unused=True))
+
+
+def _unpack(t: torch.Tensor) -> torch.Tensor:
+    return t
