@@ -5,8 +5,8 @@ a denoising loop under ``torch.no_grad()`` with classifier-free guidance by batc
 its log-probability; the update calls the transformer again on the stored latents of every trained step, adds a
 KL term to the adapter-disabled reference, and clips then steps the optimizer twice per rollout.
 
-Using leancompile changes three lines of the loop (marked ``# leancompile``): the transformer is wrapped after the
-optimizer is made, and the rollout tells it which steps the update trains; under ``Config(schedule="reweight")`` three more lines hand the loss of the micro-steps before
+Using leancompile changes one line of the loop (marked ``# leancompile``): the transformer is wrapped after the
+optimizer is made; under ``Config(schedule="reweight")`` three more lines hand the loss of the micro-steps before
 the first optimizer step to ``provisional``. Run ``python examples/flowgrpo_sd3.py [--native]``.
 """
 from __future__ import annotations
@@ -89,8 +89,6 @@ class Loop:
             latents = self.noise((batch, *self.latent_shape))
             all_latents, log_probs, timesteps = [latents], [], []
             for i in range(c.num_steps):
-                if self.use_leancompile:  # leancompile: the steps the update will train are kept, the others not
-                    self.transformer.trains(i < c.train_steps)
                 t = (self.sigmas[i] * 1000).expand(batch)
                 v = self.guided(latents, t, self.embeds[rows], self.pooled[rows])
                 step = flow_sde_step(latents, v, self.sigmas[i].expand(batch), self.sigmas[i + 1].expand(batch),

@@ -268,15 +268,3 @@ def test_the_wrapped_module_reads_as_the_module():
     assert wrapped.config is wrapped.module.config  # attributes it lacks are the module's
     assert set(wrapped.module.state_dict()) == {k.removeprefix("module.") for k in wrapped.state_dict()}
 
-
-def test_the_trained_steps_hint_keeps_only_the_steps_the_update_trains():
-    """The FlowGRPO-style loop tells the wrapper its last step is never trained: the rollout keeps one call per
-    trained step and sampling batch, and the update is served as before."""
-    config = flowgrpo_sd3.Config(num_steps=4, train_steps=3, dtype=torch.float64)
-    loop = flowgrpo_sd3.Loop(config)
-    loop.step()
-    kept = [r for r in loop.transformer.last_calls if r.action == "kept"]
-    assert len(kept) == (config.prompts * config.group // config.sample_batch) * config.train_steps
-    assert loop.transformer.stats()["served_calls"] == 3
-    with pytest.raises(ValueError, match="trained must be True or False"):
-        loop.transformer.trains("yes")
