@@ -3,8 +3,7 @@ write (a diffusers transformer in a FlowGRPO- or DanceGRPO-style script, a causa
 
 The loop stays as it is. Its rollout calls the module without grad; each such call that matches no kept call is
 kept (run through the per-row program, its saved tensors held) while what the kept calls hold stays under the
-memory limit. A loop that knows which steps its update trains says so with ``wrapped.trains(flag)`` before
-them (the others are then neither kept nor checked); one that draws them later (DanceGRPO) keeps what fits. The rollout ends at the first call with grad (calls without grad after it, such as a KL reference
+memory limit. The rollout ends at the first call with grad (calls without grad after it, such as a KL reference
 with the adapters off, are not kept) and a new one begins once the weights change. Its update calls the module
 again with grad: a call whose every row has a kept row with bitwise-equal inputs and the same state (weights
 unmodified, training flags, adapters, autocast) is served from it, and its backward runs the kept rows' backward;
@@ -50,23 +49,19 @@ class _Admission:
     limit: int | None
     share: float = 0.5  # of the free memory, when no limit is given: the update's own activations need the rest
     closed_at: tuple | None = None  # the weights' versions when a call with grad closed the rollout
-    trained: bool = True  # the loop's hint (Wrapped.trains) for the calls that follow
 
     def __call__(self, call: Call) -> StepAction | None:
         if self.closed_at is not None:
             if self.engine.reader.versions() == self.closed_at:
                 return None
             self.closed_at = None  # the weights changed since: a new rollout
-        if not self.trained:
-            return None
         if self.limit is None:
             self.limit = int(free_memory(call.device) * self.share)
         return self.action if self.engine.held_bytes < self.limit else None
 
     def close(self) -> None:
-        """A call with grad: the rollout is over until the weights change (and the loop's hint with it)."""
+        """A call with grad: the rollout is over until the weights change."""
         self.closed_at = self.engine.reader.versions()
-        self.trained = True
 
 
 class Wrapped(torch.nn.Module):
@@ -79,22 +74,9 @@ class Wrapped(torch.nn.Module):
         self.__dict__["engine"] = engine  # not a submodule: its state is not the model's
 
     def forward(self, *args, **kwargs):
-        engine = self.engine
-        if not engine.answering_with_leaves_now:
-            if torch.is_grad_enabled():
-                engine.admit.close()
-            elif not engine.admit.trained:  # hinted untrained: nothing to keep or look up
-                with engine.passing():
-                    return engine(*args, **kwargs)
-        return engine(*args, **kwargs)
-
-    def trains(self, trained: bool) -> None:
-        """A hint from a loop that knows which rollout calls its update trains (FlowGRPO's first k steps): the calls
-        without grad that follow, until the next hint or the rollout's end, are kept (``True``, the default) or run
-        natively, unchecked and not kept (``False``). A wrong ``False`` only costs the reuse of those calls."""
-        if not isinstance(trained, bool):
-            raise ValueError(f"trained must be True or False; got {trained!r}")
-        self.engine.admit.trained = trained
+        if torch.is_grad_enabled() and not self.engine.answering_with_leaves_now:
+            self.engine.admit.close()
+        return self.engine(*args, **kwargs)
 
     def provisional(self, head: Callable[[float], torch.Tensor]) -> None:
         """``schedule="reweight"``: backpropagate the update's loss through the calls kept since the last time.
@@ -174,9 +156,11 @@ def wrap(module: torch.nn.Module, schedule: str = "retain", memory_limit: int | 
         raise ValueError(f"shared must be a tuple of keyword-argument names; got {shared!r}")
     if not isinstance(tune_matmuls, bool):
         raise ValueError(f"tune_matmuls must be True or False; got {tune_matmuls!r}")
-    if bitwise not in (True, False) or (bitwise and schedule != "retain"):
+    if not isinstance(bitwise, bool):
+        raise ValueError(f"bitwise must be True or False; got {bitwise!r}")
+    if bitwise and schedule != "retain":
         raise ValueError(f"bitwise=True keeps eager graphs on the device: it needs schedule='retain', got "
-                         f"schedule={schedule!r}, bitwise={bitwise!r}")
+                         f"schedule={schedule!r}")
     kept = BitwiseRetain() if bitwise else Reweight() if schedule == "reweight" else Retain()
     engine = ReuseEngine(module, kept,
                          {1.0: RowwiseBackbone(module, tune_matmuls=tune_matmuls)}, shared=frozenset(shared))
