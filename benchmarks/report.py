@@ -61,10 +61,10 @@ def markdown_table(rows: list[dict], columns=COLUMNS) -> str:
 
 
 def equivalence_markdown(runs: list[dict]) -> str:
-    lines = ["| precision | GRPO steps | auto runs | calls served | max reward difference | weight rel. error |",
-             "|---|---|---|---|---|---|"]
+    lines = ["| precision | GRPO steps | auto runs | calls served | max reward difference | weight rel. error | "
+             "steps bitwise native |", "|---|---|---|---|---|---|---|"]
     lines += [f"| {r['precision']} | {r['steps']} | {r['auto_runs']} | {r['served_calls']} | "
-              f"{r['max_reward_diff']:.1e} | {r['weight_rel_error']:.1e} |" for r in runs]
+              f"{r['max_reward_diff']:.1e} | {r['weight_rel_error']:.1e} | {r['bitwise_steps']} |" for r in runs]
     return "\n".join(lines)
 
 
