@@ -290,9 +290,10 @@ class ReuseEngine:
         state = self.reader.read(call)
         places, differences = [], Counter()
         verdicts: dict[int, str | None] = {}  # per kept call: its rows share one state
-        for kept_rows in candidates:
+        for i, kept_rows in enumerate(candidates):
             found = None
-            for kept, kept_row in kept_rows:
+            for kept, kept_row in _in_order(kept_rows, places[-1] if places else None,
+                                             candidates[i + 1] if i + 1 < len(candidates) else ()):
                 if not self.schedule.available(kept, kept_row) or (id(kept), kept_row) in self._answered:
                     differences["used"] += 1  # an equal row was there but has served its call: the reason given
                     continue
@@ -413,6 +414,17 @@ class ReuseEngine:
         self.release()
         self.peak_bytes = 0
         return stats
+
+
+def _in_order(kept_rows, previous, following) -> list:
+    """Equal rows (a group that sampled one completion twice) give a row several candidates: try first the one
+    after the previous row's place, else one whose next row is the next row's candidate, so that a call's rows
+    stay consecutive in one kept call (a slice to backpropagate, not a gather; one kept call for bitwise Retain)."""
+    if len(kept_rows) < 2:
+        return kept_rows
+    if previous is not None:
+        return sorted(kept_rows, key=lambda c: not (c[0] is previous[0] and c[1] == previous[1] + 1))
+    return sorted(kept_rows, key=lambda c: not any(k is c[0] and r == c[1] + 1 for k, r in following))
 
 
 class RowPick:

@@ -32,7 +32,7 @@ from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from ..passes.identities import drop_copies_of_unshared_values, drop_multiplications_by_one
+from ..passes.identities import drop_copies_of_unshared_values, drop_multiplications_by_one, fold_views
 from ..passes.inplace import write_scatters_in_place
 from ..passes.matmul_order import order_matrix_products
 from ..passes.rowwise import fold_per_row_calls, prepare_for_rows, random_operators, sum_products_over_rows
@@ -163,6 +163,7 @@ class RowwiseBackbone:
                     write_scatters_in_place(gm)
                 if self.tune_matmuls:
                     order_matrix_products(gm)
+                fold_views(gm)
                 _TRACES[shared] = gm
                 while len(_TRACES) > _TRACES_KEPT:
                     _TRACES.popitem(last=False)
