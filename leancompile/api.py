@@ -66,10 +66,11 @@ def _native_plan(config, requested: str, shared: str, reason: str, findings=()) 
                 exactness=EXACTNESS["native"])
 
 
-def _engine(trainer, schedule, plan_steps, tune_matmuls: bool) -> ReuseEngine:
+def _engine(trainer, schedule, plan_steps, tune_matmuls: bool, history: passes.PassHistory) -> ReuseEngine:
     """The engine for ``trainer``'s backbone, with one per-row backbone per activation budget the plan uses."""
     fractions = {a.fraction for a in plan_steps if a.keeps} | {1.0}
-    rowwise = {f: RowwiseBackbone(trainer.backbone, f, tune_matmuls=tune_matmuls) for f in sorted(fractions)}
+    rowwise = {f: RowwiseBackbone(trainer.backbone, f, tune_matmuls=tune_matmuls, history=history)
+               for f in sorted(fractions)}
     return ReuseEngine(trainer.backbone, schedule, rowwise, sync=trainer.sync)
 
 
@@ -101,7 +102,8 @@ def optimize(trainer, schedule: str = "auto", memory_budget: float | None = None
             refused. Without it Retain is exact in real arithmetic (float64 within 1e-10) but rounds differently.
 
     Returns:
-        The optimized trainer, with ``.plan``, ``.graphs`` and ``.explain()``.
+        The optimized trainer, with ``.plan``, ``.graphs``, ``.pass_history`` (every pass run, at compile time
+        and when the per-row program compiles at the first step) and ``.explain()``.
     """
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule must be one of {SCHEDULES}; got {schedule!r}")
@@ -122,22 +124,26 @@ def optimize(trainer, schedule: str = "auto", memory_budget: float | None = None
         raise ValueError(f"samples_per_step must be an integer >= 2; got {samples_per_step!r}")
     budget = _Budget(memory_limit, samples_per_step, device)
     check_protocol(trainer)
+    history = passes.PassHistory()
     # Analysed and compiled on the weights a rewritten step runs on (FSDP2: gathered whole, see trainers.parallel).
     with trainer.sync.whole_weights(trainer) as (backbone, trainable):
         subject = trainer if backbone is trainer.backbone else _on_weights(trainer, backbone, trainable)
-        programs = passes.capture(subject)
+        programs = history.analyse("capture", "trainer", passes.capture, subject,
+                                   found=lambda p: f"rollout {len(p.rollout.graph.nodes)} nodes, "
+                                                   f"update {len(p.update.graph.nodes)} nodes")
         if schedule == "native":
             plan = _native_plan(trainer.config, schedule, "not analysed",
                                 "schedule='native': the untransformed program")
             graphs, runtime = {"rollout": programs.rollout, "update": programs.update}, None
         else:
             plan, graphs, runtime = _compile(subject, programs, schedule, memory_budget, strict, budget, tune_matmuls,
-                                             bitwise)
+                                             bitwise, history)
     optimized = copy.copy(trainer)
     optimized.__class__ = optimized_class(type(trainer))
     optimized.plan = plan
     optimized.graphs = graphs
     optimized._engine = runtime
+    optimized.pass_history = history
     return optimized
 
 
@@ -158,18 +164,21 @@ class _Budget:
 
 
 def _compile(trainer, programs, requested: str, memory_budget, strict: bool, budget: _Budget,
-             tune_matmuls: bool, bitwise: bool):
-    """Run the passes in order; where one finds no valid reuse, the plan is native and says why."""
+             tune_matmuls: bool, bitwise: bool, history: passes.PassHistory):
+    """Run the analyses in order; where one finds no valid reuse, the plan is native and says why."""
     config = trainer.config
     graphs = {"rollout": programs.rollout, "update": programs.update}
-    shared = passes.detect_shared_backbone(programs.rollout, programs.update)
+    shared = history.analyse("detect_shared_backbone", "rollout + update", passes.detect_shared_backbone,
+                             programs.rollout, programs.update,
+                             found=lambda s: f"{len(s.pairs)} shared call(s), {s.nodes} nodes")
     unshared = "; ".join(f"update call {i} not shared: {why}" for i, why in shared.unshared)
     if not shared.found:
         reason = "no reusable backbone call: " + (unshared or "nothing found")
         return _native_plan(config, requested, unshared or "no backbone call", reason), graphs, None
     pair = shared.pairs[0]
-    validity = passes.check_validity(programs.rollout, programs.update, pair, strict=strict,
-                                     numerics_only=shared.numerics_only)
+    validity = history.analyse("check_validity", "rollout + update", passes.check_validity, programs.rollout,
+                               programs.update, pair, strict=strict, numerics_only=shared.numerics_only,
+                               found=lambda v: "reusable" if v.reusable else "refused: " + "; ".join(v.reasons))
     findings = tuple(f"{f.kind}: {f.message}" for f in validity.findings)
     description = (f"update call {pair[0]} recomputes rollout call {pair[1]} ({shared.nodes} aten nodes, "
                    f"{len(shared.parameters)} parameters, batch of {shared.layout.segments} segment(s))"
@@ -181,7 +190,8 @@ def _compile(trainer, programs, requested: str, memory_budget, strict: bool, bud
         reason = ("reuse refused: bitwise=True, and the rollout's call and the update's run different operators "
                   "(they match only modulo casts or kernel flags), so native's own update rounds differently")
         return _native_plan(config, requested, description, reason, findings), graphs, None
-    linearity = passes.check_linearity(programs.update)
+    linearity = history.analyse("check_linearity", "update", passes.check_linearity, programs.update,
+                                found=lambda lin: "affine" if lin.affine else f"not affine: {lin.reason}")
     refusal = _reweight_refusal(linearity, shared.numerics_only, bitwise)
     steps, cost = (), None
     if requested == "auto":
@@ -206,9 +216,12 @@ def _compile(trainer, programs, requested: str, memory_budget, strict: bool, bud
         steps = _steps(config, "reweight")
         plan = Plan("reweight", requested, steps, REUSE_RULE, description, "nothing", findings,
                     _describe_linearity(linearity), BUFFERS, choice, cost, EXACTNESS["reweight"])
-        return plan, graphs, _engine(trainer, Reweight(bool(linearity.advantage_free)), steps, tune_matmuls)
-    need = passes.prune_gradient_need(programs.update, pair[0], shared.layout.segments)
-    rewritten = passes.rewrite_for_retain(programs.rollout, programs.update, pair)
+        return plan, graphs, _engine(trainer, Reweight(bool(linearity.advantage_free)), steps, tune_matmuls, history)
+    need = history.analyse("prune_gradient_need", "update", passes.prune_gradient_need, programs.update, pair[0],
+                           shared.layout.segments, found=lambda n: f"pruned segments {list(n.pruned)}")
+    rewritten = history.analyse("rewrite_for_retain", "rollout + update", passes.rewrite_for_retain,
+                                programs.rollout, programs.update, pair,
+                                found=lambda r: f"inserted {', '.join(r.inserted)}; removed {len(r.removed)}")
     graphs = {"rollout": rewritten.rollout, "update": rewritten.update,
               "rollout_traced": programs.rollout, "update_traced": programs.update}
     pruned = (f"segment(s) {list(need.pruned)} of the batch carry no gradient (e.g. a detached CFG branch): "
@@ -220,7 +233,7 @@ def _compile(trainer, programs, requested: str, memory_budget, strict: bool, bud
     plan = Plan("retain", requested, steps, REUSE_RULE, description, pruned, findings,
                 _describe_linearity(linearity), "none", choice, cost, EXACTNESS["bitwise" if bitwise else "retain"])
     kept = BitwiseRetain() if bitwise else Retain(shared.layout.segments, need.pruned)
-    return plan, graphs, _engine(trainer, kept, steps, tune_matmuls)
+    return plan, graphs, _engine(trainer, kept, steps, tune_matmuls, history)
 
 
 def _reweight_refusal(linearity, numerics_only: bool, bitwise: bool) -> str | None:

@@ -21,6 +21,9 @@ def explain_text(trainer) -> str:
         s = graph_summary(gm)
         extra = "".join(f", {k}: {_names(s[k])}" for k in ("inserted", "reused") if s[k])
         lines.append(f"  {name:<18} {s['nodes']:>5} nodes, {s['backbone']:>5} in backbone calls{extra}")
+    history = getattr(trainer, "pass_history", None)
+    if history is not None and history.records:
+        lines += ["", "passes (in the order they ran):", history.table()]
     return "\n".join(lines)
 
 

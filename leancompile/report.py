@@ -390,6 +390,14 @@ def _plan_html(plan) -> str:
     return _rows(facts) + _rows(steps, header=("step", "action", "reason"))
 
 
+def _history_html(history) -> str:
+    if history is None or not history.records:
+        return "<p>no pass has run yet</p>"
+    rows = [(r.name, r.graph, r.changed, f"{r.nodes[0]} -> {r.nodes[1]}", f"{r.seconds * 1e3:.1f}", r.found)
+            for r in history.records]
+    return _rows(rows, header=("pass", "graph", "nodes changed", "nodes", "ms", "found"))
+
+
 def _summary_html(counts: dict) -> str:
     rows = [(name, c["nodes"], c["backbone"], c["inserted"], c["reused"], c["removed"]) for name, c in counts.items()]
     return _rows(rows, header=("graph", "nodes", "backbone-call nodes", "inserted", "reused", "removed"))
@@ -415,6 +423,7 @@ def write_html_report(trainer, path, layout: str = "auto") -> Path:
     page = (f'<!DOCTYPE html><html><head><meta charset="utf-8"><title>leancompile report</title>'
             f"<style>{_CSS}</style></head><body><h1>leancompile report</h1>"
             f"<h2>Plan</h2>{_plan_html(trainer.plan)}"
+            f"<h2>Passes</h2>{_history_html(getattr(trainer, 'pass_history', None))}"
             f"<h2>Explanation</h2><pre>{html.escape(trainer.explain())}</pre>"
             f"<h2>Graphs</h2>{_summary_html(counts)}{_legend_html()}{graphs}</body></html>")
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -104,6 +104,11 @@ class Wrapped(torch.nn.Module):
         return self.engine.take_stats()
 
     @property
+    def pass_history(self):
+        """Every pass run on the per-row program's graphs, in order (:mod:`leancompile.passes.pipeline`)."""
+        return self.engine.rowwise[1.0].history
+
+    @property
     def last_calls(self) -> list:
         """What the engine did with each call since ``stats()`` was last read."""
         return list(self.engine.log.records)

@@ -1,9 +1,12 @@
 """Structural tests of each pass: what it finds, what it marks, what the rewrite inserts and removes."""
+import functools
+
 import pytest
 import torch
 
 from leancompile import backbones, optimize, passes
 from leancompile.passes.backbone import backbone_calls, call_boundary
+from leancompile.passes.pipeline import apply
 from leancompile.passes.meta import CALL, INPUT, LINEARITY, MATMUL_ORDER, NEEDS_GRAD, PROVENANCE, REWRITE, SHARED
 from leancompile.passes.rewrite import RETAINED, REUSED
 from leancompile.trainers import DanceGRPOConfig, FlowGRPOConfig, FlowGRPOTrainer
@@ -251,7 +254,7 @@ def test_scatters_into_fresh_buffers_are_written_in_place():
         gm = make_fx(torch.func.functionalize(fn))(x)
         scatters = lambda: sum(n.target is torch.ops.aten.slice_scatter.default for n in gm.graph.nodes)
         assert scatters() == 2
-        assert write_scatters_in_place(gm) == expected and scatters() == 2 - expected
+        assert apply(write_scatters_in_place, gm) == expected and scatters() == 2 - expected
         for got, want in zip(torch.utils._pytree.tree_leaves(gm(x)), torch.utils._pytree.tree_leaves(fn(x))):
             assert torch.equal(got, want)
         assert all(n.meta[REWRITE] == "in-place" for n in gm.graph.nodes if n.target is torch.ops.aten.copy_.default)
@@ -273,7 +276,7 @@ def test_matrix_products_take_the_operand_order_their_timing_chose():
     products = [n for n in gm.graph.nodes if n.target in (torch.ops.aten.mm.default, torch.ops.aten.bmm.default)]
     names = [n.name for n in products]
     timings = {"mm": ProductTiming(written=1.0, swapped=0.5), "bmm": ProductTiming(written=1.0, swapped=0.95)}
-    assert order_matrix_products(gm, margin=0.1, timer=lambda n: timings[n.target._opname]) == 1
+    assert apply(functools.partial(order_matrix_products, margin=0.1, timer=lambda n: timings[n.target._opname]), gm) == 1
     nodes = {n.name: n for n in gm.graph.nodes}
     swapped = nodes[f"swapped_{names[0]}"]
     # mm(t(d), h) -> clone(t(mm(t(h), d))): the transpose of t(d) is d itself
@@ -287,7 +290,8 @@ def test_matrix_products_take_the_operand_order_their_timing_chose():
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
         assert got.stride() == want.stride()
     both = make_fx(lora_gradients, tracing_mode="fake")(d, h, x)
-    assert order_matrix_products(both, timer=lambda n: ProductTiming(written=1.0, swapped=0.1)) == 2
+    assert apply(functools.partial(order_matrix_products, timer=lambda n: ProductTiming(written=1.0, swapped=0.1)),
+                 both) == 2
     for got, want in zip(both(d, h, x), expected):
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
         assert got.stride() == want.stride()
@@ -312,7 +316,7 @@ def test_multiplications_by_one_are_dropped_where_they_return_their_input():
     gm = make_fx(scaled, tracing_mode="fake")(x, row, ints)
     multiplications = lambda: sum(n.target is torch.ops.aten.mul.Tensor for n in gm.graph.nodes)
     before = multiplications()
-    assert drop_multiplications_by_one(gm) == 2 and multiplications() == before - 2
+    assert apply(drop_multiplications_by_one, gm) == 2 and multiplications() == before - 2
     for got, want in zip(gm(x, row, ints), scaled(x, row, ints)):
         assert torch.equal(got, want) and got.dtype == want.dtype and got.stride() == want.stride()
 
@@ -337,7 +341,7 @@ def test_copies_of_values_nothing_else_reads_are_dropped():
     gm = make_fx(copies)(x, y)
     clones = lambda: sum(n.target is torch.ops.aten.clone.default for n in gm.graph.nodes)
     before = clones()
-    assert drop_copies_of_unshared_values(gm) == 2 and clones() == before - 2
+    assert apply(drop_copies_of_unshared_values, gm) == 2 and clones() == before - 2
     for got, want in zip(gm(x, y), copies(x, y)):
         assert torch.equal(got, want) and got.stride() == want.stride()
 
@@ -360,7 +364,7 @@ def test_views_of_views_fold_and_views_that_change_nothing_go():
     x, y = torch.randn(3, 4, 4, dtype=torch.float64), torch.randn(3, 4, dtype=torch.float64)
     gm = make_fx(views, tracing_mode="fake")(x, y)
     before = len(gm.graph.nodes)
-    removed = fold_views(gm)
+    removed = apply(fold_views, gm)
     assert removed == before - len(gm.graph.nodes) >= 6
     exp = next(n for n in gm.graph.nodes if n.target is torch.ops.aten.exp.default)
     assert [u.target for u in exp.users] == [torch.ops.aten.view.default]

@@ -92,3 +92,39 @@ def test_explain_command_prints_the_plan_and_writes_the_report(tmp_path, capsys)
     # rollout with the provisional backward collapsed into one box, update, traced rollout, the per-row backbone's
     # forward and backward
     assert len(_svgs(page)) == 5 and "provisional backward (Reweight)" in page
+
+
+def test_the_pass_history_lists_every_pass_in_order_with_what_it_changed(retain, tmp_path):
+    """Compile-time analyses first, then the pipelines of the per-row program (partition, then traced rows); each
+    rewrite's node counts add up, and the explanation and the HTML page show the history."""
+    from leancompile.passes import ONE_ROW_PARTITION, TRACED_ROWS
+
+    records = retain.pass_history.records
+    names = [r.name for r in records]
+    assert names[:6] == ["capture", "detect_shared_backbone", "check_validity", "check_linearity",
+                         "prune_gradient_need", "rewrite_for_retain"]
+    partition = [p.name for p in ONE_ROW_PARTITION]
+    assert names[6:6 + 2 * len(partition)] == partition * 2
+    traced = [r for r in records if r.graph.startswith(("forward over", "backward over"))]
+    assert traced and {r.name for r in traced} <= {p.name for p in TRACED_ROWS}
+    assert "write_scatters_in_place" not in {r.name for r in traced if r.graph.startswith("backward")}
+    for r in records[6:]:
+        assert r.seconds >= 0 and (r.changed > 0 or r.nodes[0] == r.nodes[1])
+    assert any(r.name == "fold_views" and r.nodes[1] < r.nodes[0] for r in traced)
+    assert "passes (in the order they ran):" in retain.explain()
+    page = report.write_html_report(retain, tmp_path / "report.html").read_text()
+    assert "<h2>Passes</h2>" in page and "<td>fold_views</td>" in page
+
+
+def test_a_failing_pass_is_named_with_its_graph():
+    import torch
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from leancompile.passes.pipeline import Pass, PassError, apply
+
+    def breaks(gm):
+        raise RuntimeError("cannot rewrite this")
+
+    gm = make_fx(lambda x: x.exp())(torch.ones(2))
+    with pytest.raises(PassError, match="pass breaks on one-row forward: RuntimeError: cannot rewrite this"):
+        apply(Pass(breaks), gm, "one-row forward")

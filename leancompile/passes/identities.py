@@ -50,9 +50,6 @@ def _bypass(gm: torch.fx.GraphModule, returned_input) -> int:
         node.replace_all_uses_with(source)
         gm.graph.erase_node(node)
         dropped += 1
-    if dropped:
-        gm.graph.lint()
-        gm.recompile()
     return dropped
 
 
@@ -141,7 +138,6 @@ def fold_views(gm: torch.fx.GraphModule) -> int:
             node.args, node.target = (source.args[0], [inner[i] for i in outer]), aten.permute.default
             gm.graph.erase_node(source)
     _bypass(gm, _unchanged_view)
-    folded = 0
     for node in list(gm.graph.nodes):
         if node.op != "call_function" or node.target not in _RESHAPES:
             continue
@@ -160,8 +156,5 @@ def fold_views(gm: torch.fx.GraphModule) -> int:
         node.args = (origin, node.args[1])
         node.target = aten.view.default
         gm.graph.erase_node(source)
-        folded += 1
-    if gm.graph.eliminate_dead_code() or folded:
-        gm.graph.lint()
-        gm.recompile()
+    gm.graph.eliminate_dead_code()
     return before - len(gm.graph.nodes)

@@ -47,7 +47,4 @@ def write_scatters_in_place(gm: torch.fx.GraphModule) -> int:
             gm.graph.erase_node(view)
         owned.add(base)  # still fresh: only the copies wrote into it
         rewritten += 1
-    if rewritten:
-        gm.graph.lint()
-        gm.recompile()
     return rewritten

@@ -139,7 +139,4 @@ def order_matrix_products(gm: torch.fx.GraphModule, margin: float = 0.1, timer=t
             if not operand.users and operand.target is transpose:
                 graph.erase_node(operand)
         swapped += 1
-    if swapped:
-        graph.lint()
-        gm.recompile()
     return swapped

@@ -17,11 +17,9 @@ graphs into graphs over ``B`` rows. Two kinds of aten node trace at batch 1 but 
 from __future__ import annotations
 
 import operator
-from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
-from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from .meta import REWRITE
 
@@ -30,20 +28,9 @@ _VIEWS = (aten.view.default, aten._unsafe_view.default)
 _SLICES = {aten.slice.Tensor: 1, aten.slice_scatter.default: 2}  # op -> position of its ``dim`` argument
 
 
-@dataclass(frozen=True)
-class RowwiseResult:
-    """What :func:`prepare_for_rows` changed."""
-
-    reshapes: int  # views that became reshapes
-    clamped_slices: int  # slice ends set to the dimension's size
-
-    @property
-    def modified(self) -> bool:
-        return bool(self.reshapes or self.clamped_slices)
-
-
-def prepare_for_rows(gm: fx.GraphModule) -> RowwiseResult:
-    """Rewrite ``gm`` (in place) so that ``vmap`` over a leading row dimension traces it."""
+def prepare_for_rows(gm: fx.GraphModule) -> int:
+    """Rewrite ``gm`` (in place) so that ``vmap`` over a leading row dimension traces it; returns the views made
+    reshapes and the slice ends clamped."""
     reshapes = clamped = 0
     for node in gm.graph.nodes:
         if node.op != "call_function":
@@ -54,10 +41,7 @@ def prepare_for_rows(gm: fx.GraphModule) -> RowwiseResult:
             reshapes += 1
         elif node.target in _SLICES:
             clamped += _clamp_slice_end(node)
-    if reshapes or clamped:
-        gm.graph.lint()
-        gm.recompile()
-    return RowwiseResult(reshapes, clamped)
+    return reshapes + clamped
 
 
 def _clamp_slice_end(node: fx.Node) -> int:
@@ -105,15 +89,7 @@ _BATCH_FIRST = {
 }
 
 
-@dataclass(frozen=True)
-class FoldResult:
-    """What :func:`fold_per_row_calls` changed."""
-
-    folded: int  # groups of per-row calls that became one call
-    calls: int  # the per-row calls they replaced
-
-
-def fold_per_row_calls(gm: fx.GraphModule) -> FoldResult:
+def fold_per_row_calls(gm: fx.GraphModule) -> int:
     """Fold the per-row calls ``vmap`` leaves of a batch-first operator into one call over all rows.
 
     Without a batching rule, ``vmap`` traces such an operator once per row, on ``select(X, 0, i)`` of each input
@@ -145,8 +121,7 @@ def fold_per_row_calls(gm: fx.GraphModule) -> FoldResult:
     if folded:
         _stacks_of_rows_to_views(gm)
         gm.graph.eliminate_dead_code()
-        _refresh(gm)
-    return FoldResult(folded, calls)
+    return calls
 
 
 def _row_sources(node: fx.Node):
@@ -207,14 +182,7 @@ def _stacks_of_rows_to_views(gm: fx.GraphModule) -> None:
             gm.graph.erase_node(node)
 
 
-@dataclass(frozen=True)
-class RowSumResult:
-    """What :func:`sum_products_over_rows` changed."""
-
-    products: int  # row sums of batched products that became one product
-
-
-def sum_products_over_rows(gm: fx.GraphModule) -> RowSumResult:
+def sum_products_over_rows(gm: fx.GraphModule) -> int:
     """Rewrite each sum over the rows of a batched matrix product into one product over all rows at once.
 
     A weight's gradient summed over ``R`` rows comes out of ``vmap`` as ``R`` small products and a sum, behind the
@@ -235,17 +203,7 @@ def sum_products_over_rows(gm: fx.GraphModule) -> RowSumResult:
             count += _sum_of_product(gm.graph, node)
     if count:
         gm.graph.eliminate_dead_code()
-        _refresh(gm)
-    return RowSumResult(count)
-
-
-def _refresh(gm: fx.GraphModule) -> None:
-    """Recompile ``gm`` and give its new nodes their values, for the passes that read them (the placeholders keep
-    the trace's fake values)."""
-    gm.graph.lint()
-    gm.recompile()
-    placeholders = [n.meta["val"] for n in gm.graph.find_nodes(op="placeholder")]
-    FakeTensorProp(gm, mode=placeholders[0].fake_mode).propagate_dont_convert_inputs(*placeholders)
+    return count
 
 
 def _keepdim(node: fx.Node) -> bool:

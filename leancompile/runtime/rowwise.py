@@ -11,10 +11,8 @@ the one-row backward of each, run on ``saved[R]``, with each parameter's gradien
 kept per row (Reweight's per-sample gradients, for every kind of parameter).
 
 Graphs are compiled per row signature (shapes without the batch, dtypes, autocast, module state) and traced per
-batch size; the batch-1 partition runs the simplifying passes of :mod:`leancompile.passes.identities` and
-:func:`~leancompile.passes.rowwise.prepare_for_rows`; the traced graphs run
-:func:`~leancompile.passes.rowwise.fold_per_row_calls`, :func:`~leancompile.passes.rowwise.sum_products_over_rows`
-and the matrix-product order pass.
+batch size; the batch-1 partition runs the pipeline ``ONE_ROW_PARTITION`` and the traced graphs ``TRACED_ROWS``
+(:mod:`leancompile.passes.pipeline`), each pass recorded in the history the backbone was given.
 """
 from __future__ import annotations
 
@@ -32,10 +30,8 @@ from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from ..passes.identities import drop_copies_of_unshared_values, drop_multiplications_by_one, fold_views
-from ..passes.inplace import write_scatters_in_place
-from ..passes.matmul_order import order_matrix_products
-from ..passes.rowwise import fold_per_row_calls, prepare_for_rows, random_operators, sum_products_over_rows
+from ..passes import pipeline
+from ..passes.rowwise import random_operators
 from .calls import Call, output_tensor
 from .partition import without_checkpointing
 
@@ -60,10 +56,12 @@ class RowProgram:
 class RowwiseBackbone:
     """A module's call run row by row (as one vmapped graph) with its saved tensors handed out."""
 
-    def __init__(self, backbone, memory_budget: float = 1.0, tune_matmuls: bool = True):
+    def __init__(self, backbone, memory_budget: float = 1.0, tune_matmuls: bool = True,
+                 history: pipeline.PassHistory | None = None):
         self.backbone = backbone
         self.memory_budget = memory_budget
         self.tune_matmuls = tune_matmuls
+        self.history = history if history is not None else pipeline.PassHistory()
         # Looked up once: walking the modules on every call costs milliseconds per step.
         self._params = dict(backbone.named_parameters())
         self._buffers = dict(backbone.named_buffers())
@@ -134,10 +132,8 @@ class RowwiseBackbone:
             refusal = f"the output ({tuple(out.shape)} at one row) has no row dimension"
         if random := random_operators(fw):
             refusal = f"random operator {random[0]} in the call: a rerun draws other numbers"
-        for gm in (fw, bw):
-            drop_multiplications_by_one(gm)
-            drop_copies_of_unshared_values(gm)
-            prepare_for_rows(gm)
+        for gm, name in ((fw, "one-row forward"), (bw, "one-row backward")):
+            pipeline.run(pipeline.ONE_ROW_PARTITION, gm, name, self.history)
         results = next(iter(bw.graph.find_nodes(op="output"))).args[0]
         weights = len(self._params) + len(self._buffers)
         trainable = tuple(i for i, r in enumerate(results[:weights]) if r is not None)
@@ -157,13 +153,9 @@ class RowwiseBackbone:
                 with torch.autocast(device.type, enabled=False), warnings.catch_warnings():
                     warnings.filterwarnings("ignore", message="There is a performance drop")
                     gm = make_fx(fn, tracing_mode="fake")(*args)
-                fold_per_row_calls(gm)
-                sum_products_over_rows(gm)
-                if forward:
-                    write_scatters_in_place(gm)
-                if self.tune_matmuls:
-                    order_matrix_products(gm)
-                fold_views(gm)
+                name = (f"{'forward' if forward else 'backward'} over {key[1]} rows"
+                        + (", gradients per row" if not forward and key[2] else ""))
+                pipeline.run(pipeline.TRACED_ROWS, gm, name, self.history, forward, self.tune_matmuls)
                 _TRACES[shared] = gm
                 while len(_TRACES) > _TRACES_KEPT:
                     _TRACES.popitem(last=False)
