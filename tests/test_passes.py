@@ -347,30 +347,41 @@ def test_copies_of_values_nothing_else_reads_are_dropped():
 
 
 def test_views_of_views_fold_and_views_that_change_nothing_go():
-    """A view chain becomes one view of its origin, permutations compose, and a view, permutation or expand to the
-    input's own shape and strides goes; values, shapes and strides of every output stay, and a view that cannot be
-    made in one step (its origin is transposed) stays a chain."""
+    """A reshape chain becomes one reshape of its origin, permutations compose, and a view, expand or permutation
+    that returns its input as it is goes; values, shapes and strides of every output stay, and in a graph that
+    writes in place reshape chains stay as written."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
     from leancompile.passes.identities import fold_views
 
     def views(x, y):
-        chain = x.exp().view(2, 6, 4).view(12, 4).reshape(3, 16) * 2  # one view of exp
-        same = x.sin().view(3, 4, 4).expand(3, 4, 4).permute(0, 1, 2) + 1  # expand and permute go
+        chain = x.exp().view(2, 6, 4).view(12, 4).reshape(3, 16) * 2  # one reshape of exp
+        same = x.sin().view(3, 4, 4).expand(3, 4, 4).permute(0, 1, 2) + 1  # view, expand and permute go
         back = x.cos().transpose(1, 2).transpose(1, 2)  # an output: the cosine itself
-        strided = y.t().reshape(12).view(3, 4)  # the transpose must be copied first: stays as written
+        strided = y.t().reshape(12).view(3, 4)  # the transpose is copied by the one reshape left
         return chain, same, back, strided, x.view(48)  # an input's view as an output stays
 
     x, y = torch.randn(3, 4, 4, dtype=torch.float64), torch.randn(3, 4, dtype=torch.float64)
     gm = make_fx(views, tracing_mode="fake")(x, y)
     before = len(gm.graph.nodes)
     removed = apply(fold_views, gm)
-    assert removed == before - len(gm.graph.nodes) >= 6
+    assert removed == before - len(gm.graph.nodes) >= 7
     exp = next(n for n in gm.graph.nodes if n.target is torch.ops.aten.exp.default)
-    assert [u.target for u in exp.users] == [torch.ops.aten.view.default]
-    assert not any(n.target is torch.ops.aten.expand.default for n in gm.graph.nodes)
+    assert [u.target for u in exp.users] == [torch.ops.aten.reshape.default]
+    assert not any(n.target in (torch.ops.aten.expand.default, torch.ops.aten.permute.default,
+                                torch.ops.aten.transpose.int) for n in gm.graph.nodes)
     for got, want in zip(gm(x, y), views(x, y)):
         assert torch.equal(got, want) and got.shape == want.shape and got.stride() == want.stride()
+
+    def written(x):
+        buffer = x.exp().view(48).view(3, 16)
+        buffer.mul_(2)
+        return buffer
+
+    gm = make_fx(written)(x)
+    apply(fold_views, gm)
+    assert sum(n.target is torch.ops.aten.view.default for n in gm.graph.nodes) == 2
+    assert torch.equal(gm(x), written(x))
 
 
 @pytest.mark.parametrize("tune", [True, False])

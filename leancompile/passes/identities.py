@@ -20,12 +20,12 @@ can observe that the two were one tensor::
 
 Views of views. ``vmap`` traces each batched operator with the views that move the row dimension in and out, so
 the per-row programs' traced graphs are a third views (the LLM's 32-row backward: 370 of 1087 nodes), and each
-costs a Python call at run time. A view, reshape, expand or detach whose result has its input's shape and strides
-is its input; a reshape or view of a view that nothing else reads views the first one's input directly where
-that input's strides allow it (checked on the traced values)::
+costs a Python call at run time. A view, reshape, expand or squeeze to its input's own shape, an identity
+permutation and a detach are their input; permutations of permutations compose; and a reshape of a reshape that
+nothing else reads reshapes the first one's input (in graphs without in-place writes)::
 
     %view_7 = aten.view(%mm_3, [32, 8, 256]); %view_8 = aten._unsafe_view(%view_7, [256, 256])
-    ->  %view_8 = aten.view(%mm_3, [256, 256])
+    ->  %view_8 = aten.reshape(%mm_3, [256, 256])
 """
 from __future__ import annotations
 
@@ -94,24 +94,9 @@ def drop_copies_of_unshared_values(gm: torch.fx.GraphModule) -> int:
 
 
 _SAME_SHAPE = (aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.expand.default,
-               aten.permute.default, aten.transpose.int, aten.squeeze.dims, aten.detach.default, aten.alias.default)
+               aten.squeeze.dims)
+_ALIASES = (aten.detach.default, aten.alias.default)
 _RESHAPES = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
-
-
-def _unchanged_view(node: torch.fx.Node) -> torch.fx.Node | None:
-    if node.op != "call_function" or node.target not in _SAME_SHAPE:
-        return None
-    source = node.args[0]
-    if not isinstance(source, torch.fx.Node) or not _same_tensor(source.meta.get("val"), node.meta.get("val")):
-        return None
-    # A graph output may become its source only where nothing else can hold that tensor (a fresh value read here
-    # alone), so that no two outputs, or an output and an input, become one tensor.
-    if any(u.op == "output" for u in node.users) and not (
-            source.op == "call_function" and len(source.users) == 1 and _returns_fresh_tensor(source)):
-        return None
-    return source
-
-
 _PERMUTES = (aten.permute.default, aten.transpose.int, aten.t.default)
 
 
@@ -121,14 +106,42 @@ def _permutation(node: torch.fx.Node) -> list[int]:
     if node.target is aten.permute.default:
         return [d % rank for d in node.args[1]]
     order = list(range(rank))
-    a, b = (node.args[1] % rank, node.args[2] % rank) if node.target is aten.transpose.int else (0, rank - 1)
-    order[a], order[b] = order[b], order[a]
+    if rank >= 2:
+        a, b = (node.args[1] % rank, node.args[2] % rank) if node.target is aten.transpose.int else (0, 1)
+        order[a], order[b] = order[b], order[a]
     return order
 
 
+def _unchanged_view(node: torch.fx.Node) -> torch.fx.Node | None:
+    """The input of a view that returns it as it is, whatever its strides: a view, reshape, expand or squeeze to
+    its own shape, an identity permutation, a detach (the traced values' shapes are exact; their strides are a
+    meta kernel's guess, so they are not relied on)."""
+    if node.op != "call_function" or not isinstance(source := node.args[0], torch.fx.Node):
+        return None
+    old, new = source.meta.get("val"), node.meta.get("val")
+    if not (isinstance(old, torch.Tensor) and isinstance(new, torch.Tensor)):
+        return None
+    if node.target in _SAME_SHAPE:
+        unchanged = old.shape == new.shape
+    elif node.target in _PERMUTES:
+        unchanged = _permutation(node) == list(range(new.dim()))
+    else:
+        unchanged = node.target in _ALIASES
+    # A graph output may become its source only where nothing else can hold that tensor (a fresh value read here
+    # alone), so that no two outputs, or an output and an input, become one tensor.
+    if not unchanged or (any(u.op == "output" for u in node.users) and not (
+            source.op == "call_function" and len(source.users) == 1 and _returns_fresh_tensor(source))):
+        return None
+    return source
+
+
+def _mutates(node: torch.fx.Node) -> bool:
+    return isinstance(node.target, torch._ops.OpOverload) and node.target._schema.is_mutable
+
+
 def fold_views(gm: torch.fx.GraphModule) -> int:
-    """Remove the views of ``gm`` that return their input's shape and strides (and nodes nothing reads), and view
-    the input of a view chain directly; returns how many nodes went."""
+    """Remove the views of ``gm`` that return their input as it is (and nodes nothing reads), compose
+    permutations, and reshape the input of a reshape chain directly; returns how many nodes went."""
     before = len(gm.graph.nodes)
     for node in list(gm.graph.nodes):  # a permutation of a permutation is one permutation
         source = node.args[0] if node.op == "call_function" and node.target in _PERMUTES else None
@@ -138,23 +151,14 @@ def fold_views(gm: torch.fx.GraphModule) -> int:
             node.args, node.target = (source.args[0], [inner[i] for i in outer]), aten.permute.default
             gm.graph.erase_node(source)
     _bypass(gm, _unchanged_view)
-    for node in list(gm.graph.nodes):
-        if node.op != "call_function" or node.target not in _RESHAPES:
-            continue
-        source = node.args[0]
-        if (not isinstance(source, torch.fx.Node) or source.op != "call_function" or source.target not in _RESHAPES
-                or len(source.users) != 1 or not isinstance(source.args[0], torch.fx.Node)
-                or "val" not in source.args[0].meta):
-            continue
-        origin, val = source.args[0], node.meta.get("val")
-        try:
-            direct = origin.meta["val"].view(node.args[1])
-        except (RuntimeError, ValueError):  # the origin's strides do not allow it in one step
-            continue
-        if val is None or direct.stride() != val.stride():
-            continue
-        node.args = (origin, node.args[1])
-        node.target = aten.view.default
-        gm.graph.erase_node(source)
+    # reshape(reshape(x, a), b) is reshape(x, b) in values; which of them copies may differ, so not where the
+    # graph writes in place (an in-place write must reach the tensors it reached before).
+    if not any(_mutates(n) for n in gm.graph.nodes):
+        for node in list(gm.graph.nodes):
+            source = node.args[0] if node.op == "call_function" and node.target in _RESHAPES else None
+            if (isinstance(source, torch.fx.Node) and source.op == "call_function" and source.target in _RESHAPES
+                    and len(source.users) == 1):
+                node.args, node.target = (source.args[0], node.args[1]), aten.reshape.default
+                gm.graph.erase_node(source)
     gm.graph.eliminate_dead_code()
     return before - len(gm.graph.nodes)
