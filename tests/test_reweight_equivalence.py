@@ -102,11 +102,15 @@ def test_float32_islands_bound_reweight_by_float32_rounding(case, family):
 @given(case=configurations(dtype="bf16"), family=st.sampled_from(["flux", "sd3", "wan"]))
 @settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 def test_reweight_matches_native_in_bf16(case, family):
+    """Reweight backpropagates provisional cotangents in bf16 and combines the gradients afterwards, native the
+    combined cotangent: the two round differently. 0.9988 is the worst measured (Flux, CFG with the uncond branch
+    detached, micro-batches of one accumulated four times, seed 83, where the same configuration agrees to 2e-9 in
+    float64 and 4e-7 in float32)."""
     config, prompts = case
     *_, (g_native, g_reweight), _ = _run_both(family, config, prompts)
     if g_native and g_native[0].norm() > 0:
         cosine = float(torch.nn.functional.cosine_similarity(g_native[0], g_reweight[0], dim=0))
-        assert cosine >= 0.9995, f"gradient cosine {cosine:.6f}"
+        assert cosine >= 0.998, f"gradient cosine {cosine:.6f}"
 
 
 def batch_normalised_reward(samples, prompts):
