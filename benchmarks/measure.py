@@ -14,6 +14,7 @@ import leancompile
 from leancompile import backbones
 from leancompile.cost.planner import describe_steps
 from leancompile.cost.workload import FlopCounter
+from leancompile.plan import Action
 from leancompile.tasks.synthetic import RandomPrompts
 from leancompile.trainers import DanceGRPOTrainer, FlowGRPOTrainer
 
@@ -134,7 +135,7 @@ def timing_fields(native_times: list[Timing], optimized_times: list[Timing]) -> 
 
 def same_program(auto, schedule: str) -> bool:
     """Whether ``auto`` compiled to ``schedule``'s program: the same runtime, every trained step served alike."""
-    return auto.plan.schedule == schedule and all(a.action in (schedule, "no-grad") for a in auto.plan.steps)
+    return auto.plan.schedule == schedule and all(a.label in (schedule, "no-grad") for a in auto.plan.steps)
 
 
 def measure_case(case: Case, repetitions: int, schedules: tuple[str, ...] = ("retain", "reweight", "auto"),
@@ -170,7 +171,7 @@ def measure_case(case: Case, repetitions: int, schedules: tuple[str, ...] = ("re
         row = {"backbone": case.backbone, "trainer": case.trainer, "tuning": case.tuning, "schedule": schedule,
                "runs": plan.schedule, "timed_as": source,
                # auto: the program it runs and its action per trained step
-               "plan": describe_steps([a.action for a in plan.steps if a.action != "no-grad"]) if schedule == "auto"
+               "plan": describe_steps([a for a in plan.steps if a.kind is not Action.NO_GRAD]) if schedule == "auto"
                else "",
                # the planner has no model of bitwise Retain's reuse (it depends on the update's batching)
                "predicted_speedup": cost.speedup(schedule) if cost is not None and schedule != "bitwise" else None,

@@ -9,7 +9,7 @@ import torch
 
 from . import passes
 from .optimized import optimized_class
-from .plan import Plan, StepAction
+from .plan import Action, Plan, Schedule, StepAction
 from .protocol import check_protocol
 from .runtime.bitwise import BitwiseRetain
 from .runtime.engine import ReuseEngine
@@ -61,8 +61,8 @@ EXACTNESS = {
 
 
 def _native_plan(config, requested: str, shared: str, reason: str, findings=()) -> Plan:
-    steps = tuple(StepAction(i, "native", reason) for i in range(config.num_steps))
-    return Plan("native", requested, steps, "none", shared, "nothing", tuple(findings), choice=reason,
+    steps = tuple(StepAction(i, Action.NATIVE, reason) for i in range(config.num_steps))
+    return Plan(Schedule.NATIVE, requested, steps, "none", shared, "nothing", tuple(findings), choice=reason,
                 exactness=EXACTNESS["native"])
 
 
@@ -199,7 +199,8 @@ def _compile(trainer, programs, requested: str, memory_budget, strict: bool, bud
         auto = cost["auto"]
         use_reweight, steps = auto.runs == "reweight", auto.steps if auto.runs == "retain" else ()
         if bitwise:  # the eager graph is kept whole or not at all
-            steps = tuple(a if a in ("retain", "recompute") else "recompute" for a in steps)
+            steps = tuple(a if a.kind is Action.RECOMPUTE or (a.kind is Action.RETAIN and a.fraction == 1)
+                          else StepAction(a.step, Action.RECOMPUTE) for a in steps)
         choice = (f"auto: planned on {cost.device} within {cost_planner.format_bytes(cost.budget)}: {auto.note}; predicted "
                   + ", ".join(f"{e.schedule} {cost.speedup(e.schedule):.2f}x" + ("" if e.fits else " (does not fit)")
                               for e in cost.estimates[:3]))
@@ -213,8 +214,8 @@ def _compile(trainer, programs, requested: str, memory_budget, strict: bool, bud
         # Traced on first access: a second trace of the backbone, forward and backward, that only inspection reads.
         graphs = Graphs(rollout=functools.partial(passes.capture_provisional, trainer), update=programs.update,
                         rollout_traced=programs.rollout)
-        steps = _steps(config, "reweight")
-        plan = Plan("reweight", requested, steps, REUSE_RULE, description, "nothing", findings,
+        steps = _steps(config, StepAction(0, Action.REWEIGHT))
+        plan = Plan(Schedule.REWEIGHT, requested, steps, REUSE_RULE, description, "nothing", findings,
                     _describe_linearity(linearity), BUFFERS, choice, cost, EXACTNESS["reweight"])
         return plan, graphs, _engine(trainer, Reweight(bool(linearity.advantage_free)), steps, tune_matmuls, history)
     need = history.analyse("prune_gradient_need", "update", passes.prune_gradient_need, programs.update, pair[0],
@@ -227,10 +228,10 @@ def _compile(trainer, programs, requested: str, memory_budget, strict: bool, bud
     pruned = (f"segment(s) {list(need.pruned)} of the batch carry no gradient (e.g. a detached CFG branch): "
               "the rollout keeps nothing for them") if need.pruned else "nothing"
     partial = memory_budget is not None and memory_budget < 1
-    steps = _steps(config, f"retain@{memory_budget}" if partial else "retain", steps)
+    steps = _steps(config, StepAction(0, Action.RETAIN, fraction=memory_budget if partial else 1.0), steps)
     if bitwise:
         pruned = "nothing (bitwise: the eager graph is kept whole)"
-    plan = Plan("retain", requested, steps, REUSE_RULE, description, pruned, findings,
+    plan = Plan(Schedule.RETAIN, requested, steps, REUSE_RULE, description, pruned, findings,
                 _describe_linearity(linearity), "none", choice, cost, EXACTNESS["bitwise" if bitwise else "retain"])
     kept = BitwiseRetain() if bitwise else Retain(shared.layout.segments, need.pruned)
     return plan, graphs, _engine(trainer, kept, steps, tune_matmuls, history)
@@ -280,25 +281,28 @@ def _describe_linearity(linearity) -> str:
     return f"affine in the advantages at ratio 1 (ties proven: {ties}; advantage-free terms: {free})"
 
 
-def _steps(config, action: str, planned: tuple[str, ...] = ()) -> tuple[StepAction, ...]:
-    """Per denoising step; ``planned`` is the planner's action per trained step, by position."""
+_HOW = {Action.RETAIN: "the rollout keeps its activations for the update's calls",
+        Action.REWEIGHT: "the rollout backpropagates it at provisional advantages; the update's calls add the "
+                         "combination their cotangents call for",
+        Action.OFFLOAD: "the rollout keeps its activations in host memory for the update's calls",
+        Action.RECOMPUTE: "retaining it does not fit the memory budget: the update recomputes it"}
+_TRAINED = {"first": "trained by every sample", "random": "trained by the samples that draw it",
+            "window": "trained when inside the SDE window"}
+
+
+def _steps(config, default: StepAction, planned: tuple[StepAction, ...] = ()) -> tuple[StepAction, ...]:
+    """Per denoising step; ``planned`` is the planner's action per trained step, by position, ``default`` the
+    action of the others."""
     steps, position = [], 0
     for i in range(config.num_steps):
         if config.trained_steps == "first" and i >= config.num_trained_steps:
-            steps.append(StepAction(i, "no-grad", "never trained: the rollout runs it without grad"))
+            steps.append(StepAction(i, Action.NO_GRAD, "never trained: the rollout runs it without grad"))
             continue
-        trained = {"first": "trained by every sample", "random": "trained by the samples that draw it",
-                   "window": "trained when inside the SDE window"}[config.trained_steps]
-        this = planned[position] if position < len(planned) else action
+        this = planned[position] if position < len(planned) else default
         position += 1
-        how = {"retain": "the rollout keeps its activations for the update's calls",
-               "reweight": "the rollout backpropagates it at provisional advantages; the update's calls add the "
-                           "combination their cotangents call for",
-               "offload": "the rollout keeps its activations in host memory for the update's calls",
-               "recompute": "retaining it does not fit the memory budget: the update recomputes it"}
-        reason = how.get(this) or (f"the rollout keeps a fraction {this.split('@')[1]} of its activations, the "
-                                   "backward recomputes the rest")
-        if this != "recompute":
+        reason = (f"the rollout keeps a fraction {this.fraction:.2f} of its activations, the backward recomputes the "
+                  "rest") if this.fraction < 1 else _HOW[this.kind]
+        if this.kind is not Action.RECOMPUTE:
             reason += ", served to each call verified to recompute it"
-        steps.append(StepAction(i, this, f"{trained}: {reason}"))
+        steps.append(StepAction(i, this.kind, f"{_TRAINED[config.trained_steps]}: {reason}", this.fraction))
     return tuple(steps)

@@ -5,6 +5,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from .backbones.families import FAMILIES
+
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="leancompile", description=__doc__)
@@ -14,7 +16,7 @@ def main(argv=None) -> int:
     demo.add_argument("--steps", type=int, default=20, help="GRPO steps (default: 20)")
     explain = sub.add_parser("explain", help="optimize a trainer on a tiny backbone, print its plan and write "
                              "explain-out/report.html")
-    explain.add_argument("--backbone", choices=("flux", "sd3", "wan"), default="sd3",
+    explain.add_argument("--backbone", choices=tuple(FAMILIES), default="sd3",
                          help="family of the tiny random backbone (default: sd3)")
     explain.add_argument("--trainer", choices=("flowgrpo", "dancegrpo"), default="flowgrpo",
                          help="GRPO algorithm (default: flowgrpo)")

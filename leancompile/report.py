@@ -386,7 +386,7 @@ def _plan_html(plan) -> str:
              ("reuse", plan.reuse), ("pruned", plan.pruned), ("linearity", plan.linearity),
              ("buffers", plan.buffers), ("choice", plan.choice)]
     facts += [("finding", f) for f in plan.findings]
-    steps = [(a.step, a.action, a.reason) for a in plan.steps]
+    steps = [(a.step, a.label, a.reason) for a in plan.steps]
     return _rows(facts) + _rows(steps, header=("step", "action", "reason"))
 
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from .cost.devices import free_memory
-from .plan import StepAction
+from .plan import Action, StepAction
 from .runtime.bitwise import BitwiseRetain
 from .runtime.calls import Call
 from .runtime.engine import ReuseEngine
@@ -89,7 +89,7 @@ class Wrapped(torch.nn.Module):
         schedule = self.engine.schedule
         if not isinstance(schedule, Reweight):
             raise ValueError("provisional: the module was wrapped with schedule="
-                             f"{self.engine.admit.action.action!r}; wrap it with schedule='reweight'")
+                             f"{self.engine.admit.action.label!r}; wrap it with schedule='reweight'")
         if not callable(head):
             raise ValueError(f"head must be a callable head(advantage) -> loss; got {type(head).__name__}")
         calls = [kept for kept in self.engine.kept if kept.rowwise is not None
@@ -169,6 +169,6 @@ def wrap(module: torch.nn.Module, schedule: str = "retain", memory_limit: int | 
     kept = BitwiseRetain() if bitwise else Reweight() if schedule == "reweight" else Retain()
     engine = ReuseEngine(module, kept,
                          {1.0: RowwiseBackbone(module, tune_matmuls=tune_matmuls)}, shared=frozenset(shared))
-    action = StepAction(0, schedule, "a call without grad of the wrapped module that matches no kept call")
+    action = StepAction(0, Action(schedule), "a call without grad of the wrapped module that matches no kept call")
     engine.admit = _Admission(engine, action, memory_limit)
     return Wrapped(module, engine)

@@ -15,6 +15,7 @@ from leancompile.cost.scenario import reweight_buffers
 from leancompile.cost.profile import _fake_copy, _fake_inputs, _measure_call
 from leancompile.cost.workload import FlopCounter
 from leancompile.trainers import DanceGRPOConfig, FlowGRPOConfig
+from leancompile.plan import Action
 
 from conftest import PromptTable, mean_reward
 
@@ -115,6 +116,10 @@ def test_under_a_budget_that_cannot_retain_every_step_auto_fits():
     cost = auto.plan.cost
     assert not cost["retain"].fits and cost["auto"].fits and cost["auto"].peak_bytes <= limit
     assert auto.plan.schedule == cost["auto"].runs
+    # The plan's trained steps take the planner's actions as they are (kind and fraction, values, not strings).
+    trained = [a for a in auto.plan.steps if a.kind is not Action.NO_GRAD]
+    assert [(a.kind, a.fraction) for a in trained] == [(a.kind, a.fraction) for a in cost["auto"].steps]
+    assert any(a.kind is Action.RECOMPUTE or a.fraction < 1 for a in trained)
     # Measured: the peak of what autograd holds, plus what the engine keeps outside it (Retain's saved tensors,
     # Reweight's provisional gradients), plus the static memory.
     tracker = LiveSavedTensors.of(auto)

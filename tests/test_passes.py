@@ -142,7 +142,7 @@ def test_dancegrpo_plan_and_explain(schedule, action, marks):
     trainer = optimize(DanceGRPOTrainer(DanceGRPOConfig(num_steps=4, group_size=2), backbone, mean_reward, prompts),
                        schedule)
     assert trainer.plan.schedule == action
-    assert [a.action for a in trainer.plan.steps] == [action] * 4
+    assert [a.label for a in trainer.plan.steps] == [action] * 4
     text = trainer.explain()
     assert all(mark in text for mark in marks)
 

@@ -26,7 +26,7 @@ def _svgs(page: str) -> list[str]:
 def _check_page(trainer, page: str) -> None:
     assert "Legend" in page and all(html.escape(text) in page for *_, text in report.ROLES.values())
     for action in trainer.plan.steps:
-        assert f"<tr><td>{action.step}</td><td>{action.action}</td>" in page
+        assert f"<tr><td>{action.step}</td><td>{action.label}</td>" in page
     svgs = _svgs(page)
     assert len(svgs) == len(trainer.graphs)
     for svg in svgs:

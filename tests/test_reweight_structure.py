@@ -6,6 +6,7 @@ import torch
 from leancompile import backbones, optimize, passes
 from leancompile.passes.meta import CALL, PROVISIONAL, REWRITE
 from leancompile.trainers import FlowGRPOConfig, FlowGRPOTrainer
+from leancompile.plan import Action
 
 from conftest import PromptTable, mean_reward
 from test_passes import SquaredAdvantageTrainer
@@ -89,7 +90,7 @@ def test_auto_runs_the_planners_fastest_schedule_that_fits_and_says_why(kw):
     assert cost["auto"].seconds == pytest.approx(min(e.seconds for e in fitting), rel=1e-9) or \
         cost["auto"].seconds < min(e.seconds for e in fitting)
     assert plan.schedule == cost["auto"].runs and "planned on cpu" in plan.choice
-    assert all(a.action in (plan.schedule, "no-grad") for a in plan.steps)
+    assert all(a.kind in (plan.schedule, Action.NO_GRAD) for a in plan.steps)
 
 
 def test_auto_turns_to_reweight_when_retaining_does_not_fit():

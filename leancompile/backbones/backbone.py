@@ -6,39 +6,9 @@ import contextlib
 import inspect
 
 import torch
-from diffusers import FluxTransformer2DModel, SD3Transformer2DModel, WanTransformer3DModel
 
 from .conditioning import Conditioning
-
-FAMILIES = {
-    "flux": FluxTransformer2DModel,
-    "sd3": SD3Transformer2DModel,
-    "wan": WanTransformer3DModel,
-}
-
-# Module-name suffixes (peft ``target_modules``) of the attention projections and feed-forward
-# linears. Suffixes are matched by peft as ``name == s or name.endswith("." + s)``.
-_LORA_TARGETS = {
-    "flux": [
-        "to_q", "to_k", "to_v", "to_out.0",
-        "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out",
-        "ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2",
-        # Single-stream blocks fuse the MLP input into ``proj_mlp`` and the attention/MLP output
-        # into ``proj_out``; the suffix also adapts the model's final ``proj_out``.
-        "proj_mlp", "proj_out",
-    ],
-    "sd3": [
-        "to_q", "to_k", "to_v", "to_out.0",
-        "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out",
-        "ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2",
-    ],
-    "wan": ["to_q", "to_k", "to_v", "to_out.0", "ffn.net.0.proj", "ffn.net.2"],
-}
-
-
-def _check_family(family: str) -> None:
-    if family not in FAMILIES:
-        raise ValueError(f"family: expected one of {sorted(FAMILIES)}, got {family!r}")
+from .families import family as family_spec
 
 
 class Backbone(torch.nn.Module):
@@ -60,23 +30,22 @@ class Backbone(torch.nn.Module):
         guidance: float = 3.5,
     ):
         super().__init__()
-        _check_family(family)
+        self.spec = family_spec(family)  # the family's record (leancompile.backbones.families)
         self.family = family
         self.model = model
         self.latent_shape = tuple(int(s) for s in latent_shape)
         self.text_shape = tuple(int(s) for s in text_shape)
         self.pooled_dim = None if pooled_dim is None else int(pooled_dim)
         self.guidance = float(guidance)
-        want_ndim = 4 if family == "wan" else 3
-        if len(self.latent_shape) != want_ndim:
+        if len(self.latent_shape) != self.spec.latent_rank:
             raise ValueError(
-                f"latent_shape: expected {want_ndim} dims for family {family!r}, got {self.latent_shape}"
+                f"latent_shape: expected {self.spec.latent_rank} dims for family {family!r}, got {self.latent_shape}"
             )
         if len(self.text_shape) != 2:
             raise ValueError(f"text_shape: expected (L, D), got {self.text_shape}")
-        if (family == "wan") != (self.pooled_dim is None):
+        if self.spec.pooled == (self.pooled_dim is None):
             raise ValueError(
-                f"pooled_dim: expected {'None' if family == 'wan' else 'an int'} for family {family!r}, "
+                f"pooled_dim: expected {'an int' if self.spec.pooled else 'None'} for family {family!r}, "
                 f"got {pooled_dim!r}"
             )
 
@@ -125,49 +94,8 @@ class Backbone(torch.nn.Module):
         text = cond.text.to(dtype)
         pooled = None if cond.pooled is None else cond.pooled.to(dtype)
         sigma = sigma.to(dtype)
-        if self.family == "flux":
-            out = self._flux(h, sigma, text, pooled)
-        elif self.family == "sd3":
-            out = self.model(
-                hidden_states=h,
-                encoder_hidden_states=text,
-                pooled_projections=pooled,
-                timestep=sigma * 1000,
-                return_dict=False,
-            )[0]
-        else:
-            out = self.model(
-                hidden_states=h, timestep=sigma * 1000, encoder_hidden_states=text, return_dict=False
-            )[0]
+        out = self.spec.call(self.model, h, sigma, text, pooled, self.guidance)
         return out.to(x.dtype)
-
-    def _flux(self, x, sigma, text, pooled):
-        b, c, hgt, wid = x.shape
-        h2, w2 = hgt // 2, wid // 2
-        # 2x2 patches -> tokens, channel-major within a patch, as the diffusers Flux pipeline packs.
-        tokens = x.reshape(b, c, h2, 2, w2, 2).permute(0, 2, 4, 1, 3, 5).reshape(b, h2 * w2, c * 4)
-        dev = x.device
-        # Position ids (0, row, col) per token and zeros for text; float32 keeps them exact at any
-        # compute dtype (the rotary embedding converts them to float32 anyway).
-        rows = torch.arange(h2, device=dev, dtype=torch.float32).reshape(h2, 1).expand(h2, w2)
-        cols = torch.arange(w2, device=dev, dtype=torch.float32).reshape(1, w2).expand(h2, w2)
-        img_ids = torch.stack([torch.zeros_like(rows), rows, cols], dim=-1).reshape(h2 * w2, 3)
-        txt_ids = torch.zeros(text.shape[1], 3, device=dev, dtype=torch.float32)
-        guidance = None
-        if self.model.config.guidance_embeds:
-            guidance = torch.full((b,), self.guidance, device=dev, dtype=x.dtype)
-        out = self.model(
-            hidden_states=tokens,
-            encoder_hidden_states=text,
-            pooled_projections=pooled,
-            timestep=sigma,  # the Flux model scales by 1000 itself
-            img_ids=img_ids,
-            txt_ids=txt_ids,
-            guidance=guidance,
-            return_dict=False,
-        )[0]
-        out = out.reshape(b, h2, w2, c, 2, 2).permute(0, 3, 1, 4, 2, 5)
-        return out.reshape(b, c, hgt, wid)
 
     def dummy_conditioning(
         self, batch: int, generator: torch.Generator | None = None, dtype=None
@@ -187,7 +115,7 @@ class Backbone(torch.nn.Module):
 
     def lora_target_modules(self) -> list[str]:
         """Module-name suffixes for ``peft.LoraConfig(target_modules=...)``."""
-        return list(_LORA_TARGETS[self.family])
+        return list(self.spec.lora_targets)
 
 
 @contextlib.contextmanager
@@ -220,8 +148,8 @@ def build(
     ``config`` holds the model class's ``__init__`` arguments (diffusers ``config.json`` keys; keys
     starting with ``_`` are ignored). ``device`` defaults to the current default device.
     """
-    _check_family(family)
-    cls = FAMILIES[family]
+    spec = family_spec(family)
+    cls = spec.model_class
     config = {k: v for k, v in config.items() if not k.startswith("_")}
     accepted = set(inspect.signature(cls.__init__).parameters) - {"self"}
     unknown = sorted(set(config) - accepted)
@@ -239,7 +167,7 @@ def build(
         model = torch.nn.Module.to(model, dtype=dtype)
     latent_shape = tuple(latent_shape)
     in_ch = model.config.in_channels
-    want = in_ch // 4 if family == "flux" else in_ch
+    want = in_ch // spec.packing
     if latent_shape and latent_shape[0] != want:
         raise ValueError(
             f"latent_shape: expected {want} channels for in_channels={in_ch} ({family}), got {latent_shape}"

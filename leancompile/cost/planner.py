@@ -6,7 +6,7 @@ retained steps and the world size; its time is the roofline time of the backbone
 Per trained step the planner picks one of
 
 * ``retain``: keep the rollout's activations (the update's forward disappears);
-* ``retain@f``: keep a fraction ``f`` of them, the min-cut partitioner recomputing the rest in the backward;
+* ``retain`` at a fraction ``f`` (``retain@f``): keep a fraction ``f`` of them, the min-cut partitioner recomputing the rest in the backward;
 * ``offload``: keep them in host memory (where the device has a host link and the copy costs less than the forward);
 * ``recompute``: keep nothing, the update runs its forward again (native);
 
@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import sympy
 import torch
 
+from ..plan import Action, StepAction
 from .devices import Device, GiB
 from .profile import CallProfile
 
@@ -62,7 +63,7 @@ class Estimate:
     components: tuple[tuple[str, int], ...]
     seconds: float
     flops: float
-    steps: tuple[str, ...] = ()  # per eligible trained step: retain | retain@f | offload | recompute | reweight
+    steps: tuple[StepAction, ...] = ()  # per eligible trained step, by position
     runs: str = ""  # which program auto runs ("retain" for any mix of retained steps)
     note: str = ""
 
@@ -96,7 +97,8 @@ class CostPlan:
                                            # A refused schedule has no time: JSON has no infinity.
                                            "step_seconds": e.seconds if math.isfinite(e.seconds) else None,
                                            "components": dict(e.components),
-                                           "steps": list(e.steps), "runs": e.runs or e.schedule, "note": e.note}
+                                           "steps": [a.label for a in e.steps], "runs": e.runs or e.schedule,
+                                           "note": e.note}
                               for e in self.estimates},
                 "limits": dict(self.limits)}
 
@@ -118,7 +120,7 @@ class CostPlan:
         auto = self["auto"]
         lines.append(f"auto runs {auto.runs}: {auto.note}")
         if auto.steps:
-            lines.append("  per trained step: " + " ".join(auto.steps))
+            lines.append("  per trained step: " + " ".join(a.label for a in auto.steps))
         lines += [f"  {name}: {value}" for name, value in self.limits]
         return "\n".join(lines)
 
@@ -236,7 +238,7 @@ def plan(s: Scenario, device: Device, budget: int | None = None) -> CostPlan:
     retained = _estimate("retain", static, {"retained activations": g.eligible * step_bytes,
                                              "activations (one call)": transient},
                          budget, native_s - g.eligible * saved_s, native_f - g.eligible * saved_f,
-                         ("retain",) * g.eligible, note=f"every trained step keeps {format_bytes(step_bytes)}")
+                         _all(Action.RETAIN, g.eligible), note=f"every trained step keeps {format_bytes(step_bytes)}")
     reweight = _reweight(s, g, static, budget, native_s, native_f, fwd_u, bwd_u, device, values)
     auto = _auto(s, g, static, budget, native, reweight, step_bytes, transient, saved_s, saved_f, device)
     limits = _limits(s, g, sum(static.values()), budget)
@@ -280,7 +282,7 @@ def _reweight(s, g, static, budget, native_s, native_f, fwd_u, bwd_u, device, va
     transient = int(call_memory(s, False, partition=True).subs({ROWS: g.rollout_rows, **values}))
     return _estimate("reweight", static, {"gradient buffers": count * buffer, "kept outputs": kept,
                                           "activations (one call)": transient}, budget,
-                     native_s - g.eligible * per_step + traffic, flops, ("reweight",) * g.eligible,
+                     native_s - g.eligible * per_step + traffic, flops, _all(Action.REWEIGHT, g.eligible),
                      note=f"{count} gradient buffers of {format_bytes(buffer)}")
 
 
@@ -316,26 +318,27 @@ def _auto(s, g, static, budget, native, reweight, step_bytes, transient, saved_s
     for f in fractions:
         gain = (ckpt + f) * forward_s if f is not None else 0.0
         if offload_s > gain and (f is None or f < 1):
-            steps.append("offload")
+            steps.append(StepAction(len(steps), Action.OFFLOAD))
             seconds -= offload_s
             flops -= (1 + ckpt) * forward_f
         elif f is None:
-            steps.append("recompute")
+            steps.append(StepAction(len(steps), Action.RECOMPUTE))
         else:
-            steps.append("retain" if f == 1 else f"retain@{f:.2f}")
+            steps.append(StepAction(len(steps), Action.RETAIN, fraction=f))
             seconds -= gain
             flops -= (ckpt + f) * forward_f
             held += int(low + f * (step_bytes - low))
     extra = {"retained activations": held, "activations (one call)": transient}
     mix = None
-    if any(a != "recompute" for a in steps):
-        mix = _estimate("auto", static, extra, budget, seconds, flops, tuple(steps), "retain", note=describe_steps(steps))
+    if any(a.kind is not Action.RECOMPUTE for a in steps):
+        mix = _estimate("auto", static, extra, budget, seconds, flops, tuple(steps), "retain",
+                        note=describe_steps(steps))
     options = [e for e in (mix, reweight) if e is not None and e.fits] + [native]
     best = min(options, key=lambda e: e.seconds)
     if best is native:
         why = "nothing fits" if not native.fits else "no reuse fits or is faster"
         return Estimate("auto", native.fits, native.peak_bytes, native.components, native.seconds, native.flops,
-                        ("recompute",) * g.eligible, "native", f"native: {why}")
+                        _all(Action.RECOMPUTE, g.eligible), "native", f"native: {why}")
     if best is reweight:
         return Estimate("auto", True, reweight.peak_bytes, reweight.components, reweight.seconds, reweight.flops,
                         reweight.steps, "reweight", "reweight: " + reweight.note
@@ -347,8 +350,12 @@ def describe_steps(steps) -> str:
     """Actions per trained step, counted in order of first use: ``retain x7, retain@0.40 x1, recompute x1``."""
     counts = {}
     for a in steps:
-        counts[a] = counts.get(a, 0) + 1
-    return ", ".join(f"{a} x{n}" for a, n in counts.items())
+        counts[a.label] = counts.get(a.label, 0) + 1
+    return ", ".join(f"{label} x{n}" for label, n in counts.items())
+
+
+def _all(kind: Action, steps: int) -> tuple[StepAction, ...]:
+    return tuple(StepAction(i, kind) for i in range(steps))
 
 
 def _limits(s: Scenario, g, base: int, budget: int) -> tuple[tuple[str, str], ...]:

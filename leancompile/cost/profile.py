@@ -149,14 +149,7 @@ def _tensor_bytes(values) -> int:
 
 def _tokens(backbone) -> int:
     """Tokens per row the blocks attend over."""
-    latent, text = backbone.latent_shape, backbone.text_shape[0]
-    patch = backbone.model.config.patch_size
-    if backbone.family == "flux":
-        return latent[1] * latent[2] // 4 + text
-    if backbone.family == "sd3":
-        return latent[1] * latent[2] // patch ** 2 + text
-    frames, spatial = (patch[0], patch[1] * patch[2])
-    return latent[1] // frames * latent[2] * latent[3] // spatial
+    return backbone.spec.tokens(backbone.model.config, backbone.latent_shape, backbone.text_shape[0])
 
 
 # ------------------------------------------------------------------------------------------- saved activations

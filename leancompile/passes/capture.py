@@ -45,11 +45,10 @@ class BackboneCall:
 
 @dataclass(frozen=True)
 class Programs:
-    """The traced rollout step and update micro-step, and the example micro-batch size they were traced at."""
+    """The traced rollout step and update micro-step."""
 
     rollout: torch.fx.GraphModule
     update: torch.fx.GraphModule
-    rows: int
 
 
 def _adapters_enabled(module: torch.nn.Module) -> bool:
@@ -170,7 +169,7 @@ def capture(trainer, rows: int | None = None) -> Programs:
                 params, buffers, *(example[k] for k in data))
         _tag_placeholders(gm, names + [f"data:{k}" for k in data])
         traced[program] = gm
-    return Programs(rollout=traced["rollout"], update=traced["update"], rows=rows)
+    return Programs(rollout=traced["rollout"], update=traced["update"])
 
 
 @contextlib.contextmanager

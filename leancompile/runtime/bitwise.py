@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from .calls import Call, output_tensor
-from .engine import KeptCall, Match, ReuseEngine, Schedule
+from .engine import KeptCall, Match, ReuseEngine, ReuseSchedule
 from .partition import without_checkpointing
 
 
@@ -31,7 +31,7 @@ class KeptGraph:
     nbytes: int  # what the graph holds besides the weights
 
 
-class BitwiseRetain(Schedule):
+class BitwiseRetain(ReuseSchedule):
     name = "retain, bitwise"
     held = "retained_bytes"
 

@@ -102,7 +102,7 @@ class StepLog:
                 "recompute_reasons": dict(Counter(r.kind for r in self.records if r.action == "recomputed"))}
 
 
-class Schedule:
+class ReuseSchedule:
     """What a schedule (Retain, Reweight) adds to the engine: what it keeps per row and how a served call's
     backward turns the call's cotangent into parameter gradients."""
 
@@ -139,7 +139,7 @@ class ReuseEngine:
     """Routes the calls of one module (``backbone``; any arguments, see :mod:`.calls`) through kept calls of
     ``schedule``."""
 
-    def __init__(self, backbone, schedule: Schedule, rowwise: dict[float, RowwiseBackbone], sync=None,
+    def __init__(self, backbone, schedule: ReuseSchedule, rowwise: dict[float, RowwiseBackbone], sync=None,
                  shared: frozenset[str] = frozenset()):
         self.backbone = backbone
         self.shared = shared  # keyword arguments every row shares whatever their size (see runtime.calls)
@@ -158,7 +158,7 @@ class ReuseEngine:
         self.admit = None
         self._leaves: list | None = None  # while provisional loss heads run: the leaves handed out
         # While one head runs: the kept rows (id of the call, row) its calls were answered with. Equal samples each
-        # get their own kept row, as the update's calls will (see Schedule.available).
+        # get their own kept row, as the update's calls will (see ReuseSchedule.available).
         self._answered: set = set()
         self._fingerprint = None  # of the weights when the first call was kept; checked at the first lookup
         self._checked = True

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .engine import KeptCall, Match, ReuseEngine, RowPick, Schedule
+from ..plan import Action
+from .engine import KeptCall, Match, ReuseEngine, RowPick, ReuseSchedule
 
 
 @dataclass
@@ -22,7 +23,7 @@ class RetainedRows:
     position: list[int]  # per row of the call: its row in ``saved`` (-1: pruned, nothing kept)
 
 
-class Retain(Schedule):
+class Retain(ReuseSchedule):
     name = "retain"
     held = "retained_bytes"
 
@@ -39,7 +40,7 @@ class Retain(Schedule):
         if len(keep) < rows:
             pick = RowPick(keep)
             saved = [pick.of(t) if row else t for t, row in zip(saved, per_row)]
-        if getattr(action, "kind", "retain") == "offload":
+        if getattr(action, "kind", None) is Action.OFFLOAD:
             pin = torch.cuda.is_available()
             saved = [(t.to("cpu").pin_memory() if pin else t.to("cpu")) if row else t
                      for t, row in zip(saved, per_row)]

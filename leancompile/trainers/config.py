@@ -5,7 +5,7 @@ and the value given.
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 
 
 def _require(ok: bool, field: str, rule: str, value) -> None:
@@ -128,11 +128,6 @@ class GRPOConfig:
 
     def to_dict(self) -> dict:
         return {"algorithm": self.algorithm, **asdict(self)}
-
-    @classmethod
-    def from_dict(cls, data: dict) -> "GRPOConfig":
-        known = {f.name for f in fields(cls)}
-        return cls(**{k: (tuple(v) if isinstance(v, list) else v) for k, v in data.items() if k in known})
 
 
 @dataclass(frozen=True)
