@@ -72,7 +72,7 @@ def _worker(rank, port, cases, out):
         stats = trainer.step(case.prompts(rank))
         plan = getattr(trainer, "plan", None)
         results[case.name] = dict(stats=stats, weights=_full(trainer, trainer.trainable), grads=grads,
-                                  schedule=plan.schedule if plan else "native", choice=plan.choice if plan else "")
+                                  schedule=str(plan.schedule) if plan else "native", choice=plan.choice if plan else "")
     torch.save(results, os.path.join(out, f"rank{rank}.pt"))
     dist.destroy_process_group()
 
