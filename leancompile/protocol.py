@@ -41,15 +41,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import torch
 
 from .backbones import Backbone, Conditioning
-
-if TYPE_CHECKING:
-    from .trainers.config import GRPOConfig
-    from .trainers.parallel import GradientSync
 
 
 @dataclass
@@ -92,10 +88,10 @@ class MicroStep:
 class Trainer(Protocol):
     """The members :func:`leancompile.optimize` reads (see the module's docstring for what each means)."""
 
-    config: GRPOConfig
+    config: object  # with the fields of leancompile.trainers.GRPOConfig (the contract sits below the trainers)
     backbone: Backbone
     trainable: list[torch.Tensor]
-    sync: GradientSync
+    sync: object  # a leancompile.trainers.parallel.GradientSync
     sigmas: torch.Tensor
     step_fn: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     dtype: torch.dtype
