@@ -13,7 +13,7 @@ import torch
 from .plan import Plan
 from .backbones.routing import CalledAs, running
 from .runtime.engine import ReuseEngine
-from .trainers.grpo import MicroStep
+from .protocol import MicroStep
 
 
 class Optimized:

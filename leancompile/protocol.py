@@ -1,4 +1,6 @@
-"""The trainer protocol: what :func:`leancompile.optimize` needs from a FlowGRPO-style trainer.
+"""The trainer protocol: what :func:`leancompile.optimize` needs from a FlowGRPO-style trainer, as a
+:class:`typing.Protocol` with its signatures, and the records a trainer and the engine exchange (:class:`Rollout`,
+:class:`MicroStep`).
 
 Nothing LeanGRPO-specific: these are the pieces every such trainer has, named. The native trainers in
 :mod:`leancompile.trainers` implement it; a user's trainer can too (subclass ``GRPOTrainer`` and override, or
@@ -37,9 +39,93 @@ advantages and the config's batching are never read to decide a reuse.
 """
 from __future__ import annotations
 
-ATTRIBUTES = ("config", "backbone", "trainable", "sync", "sigmas", "step_fn", "dtype")
-METHODS = ("step", "rollout", "sde_mask", "rollout_step", "rollout_velocity", "trained_step_schedule", "micro_step",
-           "micro_step_loss", "train_velocity", "update", "backward", "optimizer_step")
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from .backbones import Backbone, Conditioning
+
+
+@dataclass
+class Rollout:
+    """What the rollout hands to the update. ``latents[:, i]`` is the input of step i, ``latents[:, i + 1]`` its
+    output; ``log_probs[:, i]`` the log-prob of that output under the rollout's policy."""
+
+    prompts: list
+    cond: Conditioning  # (B, ...)
+    latents: torch.Tensor  # (B, S + 1, *latent_shape)
+    log_probs: torch.Tensor  # (B, S)
+    sigmas: torch.Tensor  # (S + 1,)
+    sde_steps: torch.Tensor  # (S,) bool: steps with noise (and a log-prob)
+    rewards: torch.Tensor | None = None  # (B,)
+
+    @property
+    def num_samples(self) -> int:
+        return self.latents.shape[0]
+
+    @property
+    def final(self) -> torch.Tensor:
+        return self.latents[:, -1]
+
+
+@dataclass(frozen=True)
+class MicroStep:
+    """One micro-step of the update: rows of the rollout, each at its own trained step."""
+
+    rows: torch.Tensor  # (b,) sample indices into the rollout
+    steps: torch.Tensor  # (b,) step index of each row
+    x: torch.Tensor
+    prev_sample: torch.Tensor
+    sigma: torch.Tensor
+    sigma_next: torch.Tensor
+    cond: Conditioning
+    log_prob_old: torch.Tensor
+    advantages: torch.Tensor
+
+
+class Trainer(Protocol):
+    """The members :func:`leancompile.optimize` reads (see the module's docstring for what each means)."""
+
+    config: object  # with the fields of leancompile.trainers.GRPOConfig (the contract sits below the trainers)
+    backbone: Backbone
+    trainable: list[torch.Tensor]
+    sync: object  # a leancompile.trainers.parallel.GradientSync
+    sigmas: torch.Tensor
+    step_fn: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    dtype: torch.dtype
+
+    def step(self, prompts: Sequence) -> dict: ...
+
+    def rollout(self, prompts: Sequence) -> Rollout: ...
+
+    def sde_mask(self) -> torch.Tensor: ...
+
+    def rollout_step(self, step: int, rows: torch.Tensor, x: torch.Tensor, cond: Conditioning,
+                     sde: bool) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def rollout_velocity(self, step: int, rows: torch.Tensor, x: torch.Tensor, sigma: torch.Tensor,
+                         cond: Conditioning) -> torch.Tensor: ...
+
+    def trained_step_schedule(self, num_samples: int, sde_steps: torch.Tensor) -> torch.Tensor: ...
+
+    def micro_step(self, rollout: Rollout, advantages: torch.Tensor, rows: torch.Tensor,
+                   steps: torch.Tensor) -> MicroStep: ...
+
+    def micro_step_loss(self, micro: MicroStep) -> tuple[torch.Tensor, dict]: ...
+
+    def train_velocity(self, micro: MicroStep) -> torch.Tensor: ...
+
+    def update(self, rollout: Rollout, advantages: torch.Tensor) -> dict: ...
+
+    def backward(self, loss: torch.Tensor, sync: bool = True) -> None: ...
+
+    def optimizer_step(self) -> None: ...
+
+
+ATTRIBUTES = tuple(Trainer.__annotations__)
+METHODS = tuple(name for name, value in vars(Trainer).items() if callable(value) and not name.startswith("_"))
 
 
 def check_protocol(trainer) -> None:

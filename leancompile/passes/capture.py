@@ -27,6 +27,7 @@ from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
 from torch.nn.utils.stateless import _reparametrize_module
 
 from ..backbones import Conditioning
+from ..protocol import MicroStep, Rollout
 from .meta import CALL, INPUT, PROVISIONAL, REWRITE
 
 
@@ -130,7 +131,6 @@ def _conditioning(text, pooled) -> Conditioning:
 
 def capture(trainer, rows: int | None = None) -> Programs:
     """Trace ``trainer``'s rollout step and update micro-step at a micro-batch of ``rows`` samples."""
-    from ..trainers.grpo import Rollout
 
     cfg = trainer.config
     rows = rows or min(cfg.train_batch_size, cfg.group_size)
@@ -193,7 +193,6 @@ def capture_provisional(trainer, rows: int | None = None) -> torch.fx.GraphModul
     ``REWRITE = "inserted"``); the outputs are ``(x_next, log_prob, provisional_grad_0, ...)``.
     """
     from ..backbones.routing import calling
-    from ..trainers.grpo import MicroStep
 
     cfg = trainer.config
     rows = rows or min(cfg.train_batch_size, cfg.group_size)

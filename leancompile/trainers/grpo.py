@@ -19,12 +19,12 @@ import contextlib
 import copy
 import functools
 import time
-from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
 
 from ..backbones import Backbone, Conditioning
+from ..protocol import MicroStep, Rollout
 from .advantages import check_rewards, group_advantages
 from .checkpoint import load_checkpoint, save_checkpoint
 from .config import DanceGRPOConfig, FlowGRPOConfig, GRPOConfig
@@ -41,43 +41,6 @@ GENERATORS = ("noise", "steps", "shuffle")
 def generator_seeds(seed: int, rank: int = 0) -> dict[str, int]:
     """The seed of each generator on ``rank``: every rank draws its own noise, schedules and shuffles."""
     return {name: seed + offset + len(GENERATORS) * rank for offset, name in enumerate(GENERATORS)}
-
-
-@dataclass
-class Rollout:
-    """What the rollout hands to the update. ``latents[:, i]`` is the input of step i, ``latents[:, i + 1]`` its
-    output; ``log_probs[:, i]`` the log-prob of that output under the rollout's policy."""
-
-    prompts: list
-    cond: Conditioning  # (B, ...)
-    latents: torch.Tensor  # (B, S + 1, *latent_shape)
-    log_probs: torch.Tensor  # (B, S)
-    sigmas: torch.Tensor  # (S + 1,)
-    sde_steps: torch.Tensor  # (S,) bool: steps with noise (and a log-prob)
-    rewards: torch.Tensor | None = None  # (B,)
-
-    @property
-    def num_samples(self) -> int:
-        return self.latents.shape[0]
-
-    @property
-    def final(self) -> torch.Tensor:
-        return self.latents[:, -1]
-
-
-@dataclass(frozen=True)
-class MicroStep:
-    """One micro-step of the update: rows of the rollout, each at its own trained step."""
-
-    rows: torch.Tensor  # (b,) sample indices into the rollout
-    steps: torch.Tensor  # (b,) step index of each row
-    x: torch.Tensor
-    prev_sample: torch.Tensor
-    sigma: torch.Tensor
-    sigma_next: torch.Tensor
-    cond: Conditioning
-    log_prob_old: torch.Tensor
-    advantages: torch.Tensor
 
 
 class GRPOTrainer:
