@@ -16,13 +16,10 @@ from leancompile.cost.planner import describe_steps
 from leancompile.cost.workload import FlopCounter
 from leancompile.plan import Action
 from leancompile.tasks.synthetic import RandomPrompts
-from leancompile.trainers import DanceGRPOTrainer, FlowGRPOTrainer
+from leancompile.trainers import trainer_class
 
 from .cases import Case
 from .task import NUM_PROMPTS, ProjectionReward
-
-_TRAINERS = {"flowgrpo": FlowGRPOTrainer, "dancegrpo": DanceGRPOTrainer}
-
 
 def build_trainer(case: Case):
     """A native trainer for ``case``; two calls give trainers with equal weights and generators."""
@@ -32,7 +29,7 @@ def build_trainer(case: Case):
     prompts = RandomPrompts(backbone, NUM_PROMPTS, seed=case.seed)
     if case.config.use_cfg:
         uncond = prompts.uncond
-    return _TRAINERS[case.algorithm](case.config, backbone, reward, prompts, uncond=uncond)
+    return trainer_class(case.algorithm)(case.config, backbone, reward, prompts, uncond=uncond)
 
 
 def build_programs(case: Case, schedules: tuple[str, ...]) -> dict:

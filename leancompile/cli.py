@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 from .backbones.families import FAMILIES
+from .trainers import TRAINERS
 
 
 def main(argv=None) -> int:
@@ -18,7 +19,7 @@ def main(argv=None) -> int:
                              "explain-out/report.html")
     explain.add_argument("--backbone", choices=tuple(FAMILIES), default="sd3",
                          help="family of the tiny random backbone (default: sd3)")
-    explain.add_argument("--trainer", choices=("flowgrpo", "dancegrpo"), default="flowgrpo",
+    explain.add_argument("--trainer", choices=tuple(TRAINERS), default="flowgrpo",
                          help="GRPO algorithm (default: flowgrpo)")
     explain.add_argument("--schedule", choices=("auto", "retain", "reweight", "native"), default="auto",
                          help="schedule passed to optimize() (default: auto)")
@@ -61,7 +62,7 @@ def _plan_parser(sub) -> None:
     plan.add_argument("--model", choices=REAL_MODELS, required=True)
     plan.add_argument("--gpu", default="h100-80gb", help=f"one of {', '.join(sorted(DEVICES))}, cpu or cuda (the "
                       "live device) (default: h100-80gb)")
-    plan.add_argument("--trainer", choices=("flowgrpo", "dancegrpo"), default="dancegrpo")
+    plan.add_argument("--trainer", choices=tuple(TRAINERS), default="dancegrpo")
     plan.add_argument("--resolution", type=int, default=1024, help="pixels per side (default: 1024)")
     plan.add_argument("--frames", type=int, default=81, help="video frames, Wan only (default: 81)")
     plan.add_argument("--steps", type=int, default=16, help="denoising steps (default: 16)")

@@ -30,12 +30,12 @@ mean_reward = latent_reward
 
 @pytest.fixture
 def make_trainer():
-    from leancompile.trainers import DanceGRPOTrainer, FlowGRPOTrainer
+    from leancompile.trainers import trainer_class
 
     def build(config, family="sd3", seed=0, reward=mean_reward):
         backbone = backbones.tiny(family, seed=seed)
         prompts = PromptTable(backbone)
-        cls = FlowGRPOTrainer if config.algorithm == "flowgrpo" else DanceGRPOTrainer
+        cls = trainer_class(config.algorithm)
         return cls(config, backbone, reward, prompts, uncond=prompts.uncond if config.use_cfg else None)
 
     return build

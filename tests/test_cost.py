@@ -23,11 +23,11 @@ PROMPTS = [1, 2]
 
 
 def _trainer(config, family="flux", **sizes):
-    from leancompile.trainers import DanceGRPOTrainer, FlowGRPOTrainer
+    from leancompile.trainers import trainer_class
 
     backbone = backbones.tiny(family, seed=0, **sizes)
     prompts = PromptTable(backbone)
-    cls = FlowGRPOTrainer if config.algorithm == "flowgrpo" else DanceGRPOTrainer
+    cls = trainer_class(config.algorithm)
     return cls(config, backbone, mean_reward, prompts, uncond=prompts.uncond if config.use_cfg else None)
 
 

@@ -1,7 +1,6 @@
 """Trainers that are not ours: each differs from ``GRPOTrainer`` in one ordinary way a user would write. For each,
 ``optimize()`` under every schedule must give native's weight update (float64, 1e-10 relative), and where reuse
 is legitimately possible some call must be served (refusing everything is not a pass)."""
-import contextlib
 
 import pytest
 import torch
@@ -9,7 +8,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from leancompile import backbones, optimize
-from leancompile.backbones import Conditioning
 from leancompile.trainers import FlowGRPOConfig, FlowGRPOTrainer
 
 from conftest import PromptTable, mean_reward

@@ -6,7 +6,7 @@ import xml.etree.ElementTree as ET
 
 import pytest
 
-from leancompile import cli, report
+from leancompile import cli, drawing, report
 from leancompile.tasks import synthetic
 from leancompile.passes.meta import CALL, SHARED
 from leancompile.passes.rewrite import REUSED, RETAINED
@@ -50,7 +50,7 @@ def test_summary_counts_the_rewrite(retain):
 
 def test_call_regions_collapse_into_one_box(retain):
     gm = retain.graphs["rollout_traced"]
-    boxes, edges = report.graph_boxes(gm, report.node_roles(retain.graphs, "rollout_traced"))
+    boxes, edges = drawing.graph_boxes(gm, report.node_roles(retain.graphs, "rollout_traced"))
     calls = [b for b in boxes if b.role == "backbone"]
     assert len(calls) == 1 and calls[0].lines[0] == "backbone call 0 (backbone)"
     assert "676 aten nodes" in calls[0].lines[1] and "134 parameters" in calls[0].lines[3]

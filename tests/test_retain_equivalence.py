@@ -5,7 +5,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from leancompile import backbones, optimize
-from leancompile.trainers import DanceGRPOConfig, DanceGRPOTrainer, FlowGRPOConfig, FlowGRPOTrainer
+from leancompile.trainers import DanceGRPOConfig, FlowGRPOConfig, trainer_class
 
 from conftest import PromptTable, check_served_calls, mark_optimizer_steps, mean_reward
 
@@ -60,7 +60,7 @@ def _build(family, config, device="cpu", **overrides):
         overrides = {**FLOAT64_OVERRIDES.get(family, {}), **overrides}
     backbone = backbones.tiny(family, seed=config.seed, **overrides).to(device)
     prompts = PromptTable(backbone, seed=config.seed)
-    cls = FlowGRPOTrainer if config.algorithm == "flowgrpo" else DanceGRPOTrainer
+    cls = trainer_class(config.algorithm)
     return cls(config, backbone, mean_reward, prompts, uncond=prompts.uncond if config.use_cfg else None)
 
 

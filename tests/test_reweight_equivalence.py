@@ -6,9 +6,9 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from hypothesis import strategies as st
 
 from leancompile import backbones, optimize
-from leancompile.trainers import DanceGRPOTrainer, FlowGRPOConfig, FlowGRPOTrainer
+from leancompile.trainers import FlowGRPOConfig, trainer_class
 
-from conftest import PromptTable, check_served_calls, mark_optimizer_steps, mean_reward
+from conftest import PromptTable, mark_optimizer_steps, mean_reward
 from test_retain_equivalence import FLOAT64_OVERRIDES, _capture_first_gradient, grpo_configs
 
 
@@ -33,7 +33,7 @@ def _build(family, config, reward=tied_reward, **overrides):
         overrides = {**FLOAT64_OVERRIDES.get(family, {}), **overrides}
     backbone = backbones.tiny(family, seed=config.seed, **overrides)
     prompts = PromptTable(backbone, seed=config.seed)
-    cls = FlowGRPOTrainer if config.algorithm == "flowgrpo" else DanceGRPOTrainer
+    cls = trainer_class(config.algorithm)
     trainer = cls(config, backbone, reward, prompts, uncond=prompts.uncond if config.use_cfg else None)
     # Move the policy off its reference (LoRA's B starts at zero; a full fine-tune's reference is a copy), so the
     # KL penalty and its gradient are not zero in the first step.

@@ -1,7 +1,6 @@
 """Structural tests of Reweight: the provisional backward in the rollout, the per-row backward graphs, and what
 the plan chooses and refuses."""
 import pytest
-import torch
 
 from leancompile import backbones, optimize, passes
 from leancompile.passes.meta import CALL, PROVISIONAL, REWRITE

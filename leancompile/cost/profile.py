@@ -18,7 +18,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from ..backbones import Conditioning
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from ..runtime.partition import SavedBytes, partition_saved_bytes
+from .saved import SavedBytes, partition_saved_bytes
 from .workload import Workload, WorkloadCounter
 
 

@@ -7,12 +7,9 @@ import math
 import torch
 
 from ..backbones import factory
-from ..trainers import DanceGRPOConfig, FlowGRPOConfig
+from ..trainers import TRAINERS
 from .planner import Scenario
 from .profile import profile_call
-
-TRAINERS = {"flowgrpo": FlowGRPOConfig, "dancegrpo": DanceGRPOConfig}
-
 
 def reweight_buffers(config, advantage_free: bool, samples: int) -> int:
     """Whole-gradient buffers Reweight holds at most: one per backbone row (two per sample under CFG) and trained
@@ -76,7 +73,7 @@ def model_scenario(name: str, *, trainer: str = "dancegrpo", resolution: int = 1
                    gradient_accumulation_steps=samples // micro_batch, lora_rank=lora_rank, ema=ema)
     if gradient_checkpointing is not None:
         options["gradient_checkpointing"] = gradient_checkpointing
-    config = TRAINERS[trainer](**options)
+    config = TRAINERS[trainer].config_class(**options)
     backbone = _real_backbone(name, resolution, frames, lora_rank)
     profile = _cached_profile(backbone, None, "cpu")
     trainable = [p for p in backbone.parameters() if p.requires_grad]

@@ -20,9 +20,9 @@ from dataclasses import dataclass
 
 import torch
 
+from ..backbones.checkpointing import without_checkpointing
 from .calls import Call, output_tensor
 from .engine import KeptCall, Match, ReuseEngine, ReuseSchedule
-from .partition import without_checkpointing
 
 
 @dataclass

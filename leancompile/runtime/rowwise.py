@@ -30,10 +30,10 @@ from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from ..backbones.checkpointing import without_checkpointing
 from ..passes import pipeline
 from ..passes.rowwise import random_operators
 from .calls import Call, output_tensor
-from .partition import without_checkpointing
 
 
 _TRACES: OrderedDict = OrderedDict()  # (program digest, batch, ...) -> traced graph, across backbones

@@ -37,13 +37,10 @@ def latent_reward(samples: torch.Tensor, prompts) -> torch.Tensor:
 def build_tiny_trainer(backbone: str = "sd3", algorithm: str = "flowgrpo", cfg: bool = False, seed: int = 0):
     """A native trainer on a tiny random ``backbone`` (flux, sd3 or wan): a few seconds per step on a CPU."""
     from .. import backbones
-    from ..trainers import DanceGRPOConfig, DanceGRPOTrainer, FlowGRPOConfig, FlowGRPOTrainer
+    from ..trainers import trainer_class as native
 
-    classes = {"flowgrpo": (FlowGRPOConfig, FlowGRPOTrainer), "dancegrpo": (DanceGRPOConfig, DanceGRPOTrainer)}
-    if algorithm not in classes:
-        raise ValueError(f"algorithm must be one of {sorted(classes)}; got {algorithm!r}")
-    config_class, trainer_class = classes[algorithm]
-    config = config_class(num_steps=3, group_size=2, guidance_scale=2.0 if cfg else 1.0, seed=seed)
+    trainer_class = native(algorithm)
+    config = trainer_class.config_class(num_steps=3, group_size=2, guidance_scale=2.0 if cfg else 1.0, seed=seed)
     model = backbones.tiny(backbone, seed=seed)
     prompts = RandomPrompts(model, seed=seed)
     return trainer_class(config, model, latent_reward, prompts, uncond=prompts.uncond if cfg else None)

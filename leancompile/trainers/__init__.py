@@ -1,7 +1,7 @@
 """Native FlowGRPO and DanceGRPO trainers: the reference every optimization is measured against."""
 from ..protocol import MicroStep, Rollout
 from .config import DanceGRPOConfig, FlowGRPOConfig, GRPOConfig
-from .grpo import DanceGRPOTrainer, FlowGRPOTrainer, GRPOTrainer
+from .grpo import TRAINERS, DanceGRPOTrainer, FlowGRPOTrainer, GRPOTrainer, trainer_class
 
 __all__ = [
     "DanceGRPOConfig",
@@ -12,4 +12,6 @@ __all__ = [
     "GRPOTrainer",
     "MicroStep",
     "Rollout",
+    "TRAINERS",
+    "trainer_class",
 ]

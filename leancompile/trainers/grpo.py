@@ -419,3 +419,14 @@ class DanceGRPOTrainer(GRPOTrainer):
 
     def model_timestep(self, sigma: torch.Tensor) -> torch.Tensor:
         return quantized_timestep(sigma)
+
+
+# The trainer families by their config's algorithm name: the one place that lists them.
+TRAINERS: dict[str, type[GRPOTrainer]] = {cls.config_class.algorithm: cls for cls in (FlowGRPOTrainer, DanceGRPOTrainer)}
+
+
+def trainer_class(algorithm: str) -> type[GRPOTrainer]:
+    """The native trainer of ``algorithm`` (its config class is ``.config_class``)."""
+    if algorithm not in TRAINERS:
+        raise ValueError(f"algorithm must be one of {sorted(TRAINERS)}; got {algorithm!r}")
+    return TRAINERS[algorithm]

@@ -16,6 +16,7 @@ from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from ..backbones import Conditioning
+from ..backbones.checkpointing import without_checkpointing
 
 
 @dataclass
@@ -40,21 +41,6 @@ class SavedBytes:
 
         with torch.autograd.graph.saved_tensors_hooks(pack, outer_unpack):
             yield
-
-
-@contextlib.contextmanager
-def without_checkpointing(module):
-    """Retention is the opposite of activation checkpointing: compile the plain blocks (every submodule that has a
-    ``gradient_checkpointing`` switch, as diffusers and transformers models do, has it off meanwhile)."""
-    switches = [(m, m.gradient_checkpointing) for m in module.modules()
-                if isinstance(getattr(m, "gradient_checkpointing", None), bool)]
-    for m, _ in switches:
-        m.gradient_checkpointing = False
-    try:
-        yield
-    finally:
-        for m, old in switches:
-            m.gradient_checkpointing = old
 
 
 def partition_saved_bytes(backbone, x, sigma, cond: Conditioning, memory_budget: float = 1.0) -> int:
