@@ -21,6 +21,7 @@ from leancompile.trainers import trainer_class
 from .cases import Case
 from .task import NUM_PROMPTS, ProjectionReward
 
+
 def build_trainer(case: Case):
     """A native trainer for ``case``; two calls give trainers with equal weights and generators."""
     backbone = backbones.tiny(case.backbone, seed=case.seed, **case.sizes).to(case.device)

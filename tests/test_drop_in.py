@@ -267,4 +267,3 @@ def test_the_wrapped_module_reads_as_the_module():
     assert isinstance(wrapped, leancompile.Wrapped)
     assert wrapped.config is wrapped.module.config  # attributes it lacks are the module's
     assert set(wrapped.module.state_dict()) == {k.removeprefix("module.") for k in wrapped.state_dict()}
-

@@ -6,7 +6,8 @@ retained steps and the world size; its time is the roofline time of the backbone
 Per trained step the planner picks one of
 
 * ``retain``: keep the rollout's activations (the update's forward disappears);
-* ``retain`` at a fraction ``f`` (``retain@f``): keep a fraction ``f`` of them, the min-cut partitioner recomputing the rest in the backward;
+* ``retain`` at a fraction ``f`` (``retain@f``): keep a fraction ``f`` of them, the min-cut partitioner
+  recomputing the rest in the backward;
 * ``offload``: keep them in host memory (where the device has a host link and the copy costs less than the forward);
 * ``recompute``: keep nothing, the update runs its forward again (native);
 

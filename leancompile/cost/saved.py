@@ -71,4 +71,3 @@ def partition_saved_bytes(backbone, x, sigma, cond: Conditioning, memory_budget:
 
 class _Partitioned(Exception):
     """Stops an AOTAutograd compilation once the forward graph is partitioned (nothing is run)."""
-

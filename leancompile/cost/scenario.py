@@ -11,6 +11,7 @@ from ..trainers import TRAINERS
 from .planner import Scenario
 from .profile import profile_call
 
+
 def reweight_buffers(config, advantage_free: bool, samples: int) -> int:
     """Whole-gradient buffers Reweight holds at most: one per backbone row (two per sample under CFG) and trained
     step, per provisional cotangent (the policy term, and the advantage-free terms where the loss has them)."""
