@@ -13,6 +13,7 @@ from .plan import Action, Plan, Schedule, StepAction
 from .protocol import check_protocol
 from .runtime.bitwise import BitwiseRetain
 from .runtime.engine import ReuseEngine
+from .runtime.regional import RegionalEngine
 from .runtime.retain import Retain
 from .runtime.reweight import Reweight
 from .runtime.rowwise import RowwiseBackbone
@@ -66,12 +67,26 @@ def _native_plan(config, requested: str, shared: str, reason: str, findings=()) 
                 exactness=EXACTNESS["native"])
 
 
-def _engine(trainer, schedule, plan_steps, tune_matmuls: bool, history: passes.PassHistory) -> ReuseEngine:
-    """The engine for ``trainer``'s backbone, with one per-row backbone per activation budget the plan uses."""
+def _engine(trainer, schedule, plan_steps, tune_matmuls: bool, history: passes.PassHistory):
+    """The engine for ``trainer``'s backbone, with one per-row backbone per activation budget the plan uses; under
+    FSDP2, Retain of whole activations per transformer block (FSDP2's own gathers kept, see runtime.regional)."""
     fractions = {a.fraction for a in plan_steps if a.keeps} | {1.0}
+    if _per_block(trainer, schedule, fractions):
+        sync = trainer.sync
+        sync.per_block = True
+        # The sharded backbone itself (``trainer`` may be the view on the gathered copy the analyses ran on)
+        blocks = [block for _, stack in sync.root.block_stacks() for block in stack]
+        return RegionalEngine(sync.root, blocks, lambda: Retain(schedule.segments, schedule.pruned),
+                              tune_matmuls, history)
     rowwise = {f: RowwiseBackbone(trainer.backbone, f, tune_matmuls=tune_matmuls, history=history)
                for f in sorted(fractions)}
     return ReuseEngine(trainer.backbone, schedule, rowwise, sync=trainer.sync)
+
+
+def _per_block(trainer, schedule, fractions) -> bool:
+    """Whether the step runs per transformer block: FSDP2 with Retain of whole activations (partial retention,
+    Reweight and bitwise Retain run on the gathered whole weights)."""
+    return trainer.sync.kind == "fsdp" and type(schedule) is Retain and fractions == {1.0}
 
 
 def optimize(trainer, schedule: str = "auto", memory_budget: float | None = None, strict: bool = False,

@@ -134,8 +134,9 @@ def wrap(module: torch.nn.Module, schedule: str = "retain", memory_limit: int | 
     Args:
         module: any ``nn.Module`` whose output rows depend only on the same rows of its inputs (a diffusers
             transformer, with or without peft LoRA; a causal LM called on whole sequences), called with its own
-            arguments. Its output must be one tensor in any tree (``return_dict=False``'s tuple, a model output
-            without a cache: pass ``use_cache=False`` to a causal LM).
+            arguments. Its output must be tensors with the call's rows first, of one dtype, and constants, in any
+            tree (``return_dict=False``'s tuple, a model output without a cache: pass ``use_cache=False`` to a
+            causal LM).
         schedule: ``"retain"`` keeps the kept calls' activations on the device, ``"offload"`` in host memory;
             ``"reweight"`` turns them into per-row gradients when the loop calls ``wrapped.provisional(head)``.
         memory_limit: bytes the kept calls may hold (default: half the device's free memory at the first call).

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from ..backbones.checkpointing import without_checkpointing
-from .calls import Call, output_tensor
+from .calls import Call, output_layout
 from .engine import KeptCall, Match, ReuseEngine, ReuseSchedule
 
 
@@ -45,9 +45,9 @@ class BitwiseRetain(ReuseSchedule):
         graph would give."""
         if key not in self._verdicts:
             with torch.no_grad():
-                without, _, _ = output_tensor(engine.backbone(*call.args, **call.kwargs))
+                without, _, _ = output_layout(engine.native(*call.args, **call.kwargs))
             with torch.enable_grad(), without_checkpointing(engine.backbone):
-                with_grad, _, _ = output_tensor(engine.backbone(*call.args, **call.kwargs))
+                with_grad, _, _ = output_layout(engine.native(*call.args, **call.kwargs))
             self._verdicts[key] = None if torch.equal(without, with_grad.detach()) else (
                 "bitwise: its forward with grad runs other kernels than without (not native's rollout bits)")
         return self._verdicts[key]
@@ -57,7 +57,7 @@ class BitwiseRetain(ReuseSchedule):
         saved: dict[int, int] = {}
         with torch.enable_grad(), without_checkpointing(engine.backbone), \
                 torch.autograd.graph.saved_tensors_hooks(functools.partial(self.pack, weights, saved), _unpack):
-            output, _, _ = output_tensor(engine.backbone(*call.args, **call.kwargs))
+            output, _, _ = output_layout(engine.native(*call.args, **call.kwargs))
         return output.detach(), [KeptGraph(output, sum(saved.values()))]
 
     @staticmethod
@@ -83,7 +83,7 @@ class BitwiseRetain(ReuseSchedule):
                     "the batch)", "batch")
         return None
 
-    def gradients(self, engine: ReuseEngine, match: Match, cotangent: torch.Tensor) -> list:
+    def gradients(self, engine: ReuseEngine, match: Match, cotangent: torch.Tensor, inputs: tuple[int, ...] = ()) -> list:
         kept = match.places[0][0]
         # retain_graph: a second epoch before any optimizer step backpropagates it again (native recomputes the
         # same forward then). Parameters the graph does not reach get no gradient, as in native's backward.

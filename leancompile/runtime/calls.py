@@ -10,6 +10,7 @@ their size: a shared tensor whose leading size happens to equal the batch must b
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -25,6 +26,9 @@ class Call:
     rows: tuple[bool, ...]  # per leaf: a tensor with the call's rows on dimension 0
     batch: int
     refusal: str | None  # why this call cannot be kept or served (None: it can)
+    # What identifies its rows, where not its own row inputs: a block's call inside a verified backbone call is
+    # identified by the backbone call's rows (see runtime.regional)
+    identity: tuple[torch.Tensor, ...] | None = None
 
     @classmethod
     def of(cls, args: tuple, kwargs: dict, shared: frozenset[str] = frozenset()) -> "Call":
@@ -53,6 +57,11 @@ class Call:
     @property
     def row_inputs(self) -> tuple[torch.Tensor, ...]:
         return tuple(leaf for leaf, row in zip(self.leaves, self.rows) if row)
+
+    @property
+    def identity_rows(self) -> tuple[torch.Tensor, ...]:
+        """The tensors whose rows identify the call's rows: compared bitwise with a kept call's."""
+        return self.row_inputs if self.identity is None else self.identity
 
     @property
     def whole_inputs(self) -> tuple[torch.Tensor, ...]:
@@ -91,11 +100,50 @@ def _constant(value) -> bool:
     return value is None or isinstance(value, (bool, int, float, str, torch.dtype, torch.device))
 
 
-def output_tensor(output) -> tuple[torch.Tensor | None, pytree.TreeSpec, str | None]:
-    """A module's output as its one tensor leaf and the tree around it (or None and why it cannot be kept)."""
+@dataclass(frozen=True)
+class OutputLayout:
+    """A module's output as one tensor with its rows on dimension 0, and back. One tensor leaf is that tensor;
+    several (a transformer block's image and text states) are flattened per row and concatenated, and split again
+    on the way out (their cotangents are assembled by autograd). Leaves that are not tensors are constants."""
+
+    spec: pytree.TreeSpec
+    leaves: tuple  # per leaf: the constant (a tensor leaf's entry is unused)
+    tensor: tuple[bool, ...]  # per leaf: a tensor
+    shapes: tuple[tuple[int, ...], ...] = ()  # per tensor leaf, its shape without the rows (several leaves only)
+
+    def pack(self, tensors: list[torch.Tensor]) -> torch.Tensor:
+        if not self.shapes:
+            return tensors[0]
+        return torch.cat([t.reshape(t.shape[0], -1) for t in tensors], dim=1)
+
+    def unpack(self, packed: torch.Tensor):
+        """The module's output tree around ``packed`` (this layout's rows on dimension 0)."""
+        if not self.shapes:
+            tensors = iter([packed])
+        else:
+            sizes = [math.prod(shape) for shape in self.shapes]
+            tensors = iter(part.view(packed.shape[0], *shape)
+                           for part, shape in zip(packed.split(sizes, dim=1), self.shapes))
+        return pytree.tree_unflatten([next(tensors) if t else leaf for leaf, t in zip(self.leaves, self.tensor)],
+                                     self.spec)
+
+
+def output_layout(output) -> tuple[torch.Tensor | None, OutputLayout | None, str | None]:
+    """A module's output packed into one tensor and its layout (or None, None and why it cannot be kept)."""
     leaves, spec = pytree.tree_flatten(output)
     tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
-    if len(tensors) != 1 or len(leaves) != 1:
+    odd = [leaf for leaf in leaves if not isinstance(leaf, torch.Tensor) and not _constant(leaf)]
+    if not tensors or odd:
         kinds = ", ".join(type(leaf).__name__ for leaf in leaves)
-        return None, spec, f"the output has leaves ({kinds}); a kept call returns exactly one tensor"
-    return tensors[0], spec, None
+        return None, None, f"the output has leaves ({kinds}); a kept call returns tensors and constants"
+    constants = tuple(None if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves)
+    is_tensor = tuple(isinstance(leaf, torch.Tensor) for leaf in leaves)
+    if len(tensors) == 1:
+        return tensors[0], OutputLayout(spec, constants, is_tensor), None
+    rows = {t.shape[0] if t.dim() else None for t in tensors}
+    dtypes = {t.dtype for t in tensors}
+    if len(rows) != 1 or None in rows or len(dtypes) != 1:
+        return None, None, ("the output's tensors differ in their leading size or dtype; a kept call's tensors "
+                            "share both")
+    layout = OutputLayout(spec, constants, is_tensor, tuple(tuple(t.shape[1:]) for t in tensors))
+    return layout.pack(tensors), layout, None

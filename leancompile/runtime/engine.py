@@ -17,15 +17,14 @@ weights that have since changed can never match again and are freed.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
 
-from torch.utils import _pytree as pytree
-
-from .calls import Call, output_tensor
+from .calls import Call, OutputLayout, output_layout
 from .identity import TRAINING_FLAGS, CallState, StateReader, row_keys
 from .rowwise import RowwiseBackbone
 
@@ -35,10 +34,10 @@ class KeptCall:
     """One kept backbone call."""
 
     state: CallState
-    inputs: tuple[torch.Tensor, ...]  # detached, rows on dimension 0
+    inputs: tuple[torch.Tensor, ...]  # what identifies its rows (Call.identity_rows), detached, rows on dimension 0
     whole: tuple[torch.Tensor, ...]  # the tensors every row shares, detached
-    output: torch.Tensor  # detached values
-    tree: object  # the module's output around ``output``
+    output: torch.Tensor  # detached values (several output tensors packed into one, see calls.OutputLayout)
+    layout: OutputLayout  # the module's output around ``output``
     rowwise: RowwiseBackbone | None = None  # what ran it (None: values only, e.g. a KL reference)
     key: tuple = ()  # its program's key in ``rowwise``
     rows: object = None  # the schedule's per-row record (saved tensors, provisional gradients)
@@ -67,8 +66,8 @@ class Match:
         return out
 
     def output(self, tensor: torch.Tensor):
-        """``tensor`` (this call's output tensor) in the module's output tree."""
-        return pytree.tree_unflatten([tensor], self.places[0][0].tree)
+        """``tensor`` (this call's packed output) as the module's output tree."""
+        return self.places[0][0].layout.unpack(tensor)
 
     def by_call(self):
         """``(kept call, its rows, positions in this call)`` for each kept call involved."""
@@ -130,8 +129,12 @@ class ReuseSchedule:
         an equal row of another kept call or sample)."""
         return True
 
-    def gradients(self, engine: "ReuseEngine", match: Match, cotangent: torch.Tensor) -> list[torch.Tensor] | None:
-        """The trainable parameters' gradients for the served rows (None: not verified, recompute them)."""
+    input_gradients = False  # whether a served call's inputs may require grad (their gradients are returned too)
+
+    def gradients(self, engine: "ReuseEngine", match: Match, cotangent: torch.Tensor,
+                  inputs: tuple[int, ...] = ()) -> list[torch.Tensor] | None:
+        """The trainable parameters' gradients for the served rows, then those of the call's tensors at positions
+        ``inputs`` (None: not verified, recompute them)."""
         raise NotImplementedError
 
 
@@ -140,8 +143,10 @@ class ReuseEngine:
     ``schedule``."""
 
     def __init__(self, backbone, schedule: ReuseSchedule, rowwise: dict[float, RowwiseBackbone], sync=None,
-                 shared: frozenset[str] = frozenset()):
+                 shared: frozenset[str] = frozenset(), native=None):
         self.backbone = backbone
+        # What runs a call natively: the module, or (a block whose forward routes to this engine) its own forward
+        self.native = native if native is not None else backbone
         self.shared = shared  # keyword arguments every row shares whatever their size (see runtime.calls)
         self.sync = sync  # the trainer's gradient sync: FSDP2 gathers the current shards before a call
         self.schedule = schedule
@@ -156,6 +161,9 @@ class ReuseEngine:
         # Or, for a wrapped module: the action to keep a call without grad that matches nothing under (None: not
         # kept), asked of each such call (see leancompile.wrap)
         self.admit = None
+        # Or, for a block's engine: (call) -> (the tensors identifying its rows, None) or (None, why it cannot be
+        # matched) (see runtime.regional)
+        self.identity = None
         self._leaves: list | None = None  # while provisional loss heads run: the leaves handed out
         # While one head runs: the kept rows (id of the call, row) its calls were answered with. Equal samples each
         # get their own kept row, as the update's calls will (see ReuseSchedule.available).
@@ -193,14 +201,19 @@ class ReuseEngine:
         if self.sync is not None:
             self.sync.gather()
         if self._passing and not torch.is_grad_enabled():
-            return self.backbone(*args, **kwargs)
+            return self.native(*args, **kwargs)
         start = time.perf_counter()
         call = Call.of(args, kwargs, self.shared)
         if call.refusal is not None:
             return self._native(call, f"not reusable: {call.refusal}", "arguments")
+        if self.identity is not None:
+            rows, reason = self.identity(call)
+            if rows is None:
+                return self._native(call, reason, "inputs")
+            call = dataclasses.replace(call, identity=rows)
         if self._keeping is not None:
             return self._keep(call, self.reader.read(call), start, self._keeping)
-        keys = row_keys(call.row_inputs) if self.kept or self._leaves is not None else None
+        keys = row_keys(call.identity_rows) if self.kept or self._leaves is not None else None
         match, reason, kind = self._lookup(call, keys)
         self.check_seconds += time.perf_counter() - start
         if match is not None and self._leaves is not None and torch.is_grad_enabled():
@@ -215,23 +228,24 @@ class ReuseEngine:
             if action is not None:
                 return self._keep(call, self.reader.read(call), time.perf_counter(), action)
         if match is not None:
-            if any(t.requires_grad for t in call.tensors):
-                reason, kind = "an input requires grad: its gradient is not kept", "input grad"
-            else:
+            inputs, reason, kind = self._grad_inputs(match, call)
+            if reason is None:
                 reason, kind = self.schedule.claim(match) or (None, "")
             if reason is None:
                 record = CallRecord("served", len(match.places), f"verified ({self.schedule.name})")
                 self.log.records.append(record)
-                return match.output(_Served.apply(self, match, call, record, *self.trainable(match)))
+                tensors = call.tensors
+                return match.output(_Served.apply(self, match, call, record, inputs, *self.trainable(match),
+                                                  *(tensors[i] for i in inputs)))
         output = self._native(call, reason, kind)
         if self._leaves is not None and not torch.is_grad_enabled():
             # e.g. a KL reference the update will ask for again
             start = time.perf_counter()
-            tensor, tree, refusal = output_tensor(output)
+            tensor, layout, refusal = output_layout(output)
             if refusal is None:
                 state = self.reader.read(call)
                 self._drop_stale(state)
-                self._remember(state, call, tensor.detach(), tree, keys=keys)
+                self._remember(state, call, tensor.detach(), layout, keys=keys)
             self.check_seconds += time.perf_counter() - start
         return output
 
@@ -239,7 +253,20 @@ class ReuseEngine:
         """The module's own call; one with grad is counted as recomputed, with ``reason``."""
         if torch.is_grad_enabled():
             self.log.records.append(CallRecord("recomputed", call.batch, reason, kind))
-        return self.backbone(*call.args, **call.kwargs)
+        return self.native(*call.args, **call.kwargs)
+
+    def _grad_inputs(self, match: Match, call: Call) -> tuple[tuple[int, ...], str | None, str]:
+        """The positions among the call's tensors that require grad (a block's hidden states, between blocks), or
+        why a served call cannot return their gradients."""
+        inputs = tuple(i for i, t in enumerate(call.tensors) if t.requires_grad)
+        if not inputs:
+            return inputs, None, ""
+        if not self.schedule.input_gradients:
+            return inputs, "an input requires grad: its gradient is not kept", "input grad"
+        kept = match.places[0][0]
+        if not set(inputs) <= set(kept.rowwise.program_of(kept.key).input_grads):
+            return inputs, "an input every row shares requires grad: its gradient is not kept", "input grad"
+        return inputs, None, ""
 
     def _keep(self, call: Call, state: CallState, start: float, action):
         """Run the call through the per-row backbone and keep it under the plan's ``action`` (``start``: when its
@@ -252,7 +279,7 @@ class ReuseEngine:
         refusal = program.refusal or self.schedule.refusal(self, key, call)
         if refusal is not None:
             self.log.records.append(CallRecord("not kept", call.batch, refusal, "not keepable"))
-            return self.backbone(*call.args, **call.kwargs)
+            return self.native(*call.args, **call.kwargs)
         start = time.perf_counter()
         if self._fingerprint is None:
             self._fingerprint = self.reader.fingerprint()
@@ -267,13 +294,13 @@ class ReuseEngine:
         if self._keeping is not None:  # the caller's list of what it kept (a wrapped module's admission has none)
             self._made.append(kept)
         self.log.records.append(CallRecord("kept", call.batch, str(getattr(action, "kind", action))))
-        return pytree.tree_unflatten([output], program.output)
+        return program.output.unpack(output)
 
-    def _remember(self, state, call: Call, output, tree, rowwise=None, key=(), keys=None) -> KeptCall:
-        kept = KeptCall(state, tuple(t.detach() for t in call.row_inputs), tuple(t.detach() for t in call.whole_inputs),
-                        output, tree, rowwise, key)
+    def _remember(self, state, call: Call, output, layout, rowwise=None, key=(), keys=None) -> KeptCall:
+        kept = KeptCall(state, tuple(t.detach() for t in call.identity_rows),
+                        tuple(t.detach() for t in call.whole_inputs), output, layout, rowwise, key)
         self.kept.append(kept)
-        for row, digest in enumerate(keys if keys is not None else row_keys(call.row_inputs)):
+        for row, digest in enumerate(keys if keys is not None else row_keys(call.identity_rows)):
             self._index.setdefault(digest, []).append((kept, row))
         return kept
 
@@ -322,7 +349,7 @@ class ReuseEngine:
         for kept, rows, positions in match.by_call():
             here, there = RowPick(positions), RowPick(rows)
             if not all(torch.equal(here.of(mine), there.of(theirs))
-                       for mine, theirs in zip(call.row_inputs, kept.inputs)):
+                       for mine, theirs in zip(call.identity_rows, kept.inputs)):
                 return None, "inputs equal in digest but not bitwise", "inputs"
             if not all(torch.equal(mine, theirs) for mine, theirs in zip(call.whole_inputs, kept.whole)):
                 return None, "a tensor every row shares differs from the kept call's", "inputs"
@@ -451,25 +478,27 @@ class _Served(torch.autograd.Function):
     (or, where the schedule cannot verify them, recomputes the rows natively)."""
 
     @staticmethod
-    def forward(ctx, engine, match, call, record, *parameters):
-        ctx.engine, ctx.match, ctx.call, ctx.record = engine, match, call, record
+    def forward(ctx, engine, match, call, record, inputs, *tensors):
+        """``tensors``: the trainable parameters, then the call's tensors at positions ``inputs``."""
+        ctx.engine, ctx.match, ctx.call, ctx.record, ctx.inputs = engine, match, call, record, inputs
         return match.gather()
 
     @staticmethod
     def backward(ctx, cotangent):
         engine, match = ctx.engine, ctx.match
-        grads = engine.schedule.gradients(engine, match, cotangent)
+        grads = engine.schedule.gradients(engine, match, cotangent, ctx.inputs)
         if grads is None:
             ctx.record.action, ctx.record.kind = "recomputed", "cotangent"
             ctx.record.reason = "its cotangent is not in the span of those the rollout backpropagated"
-            grads = _native_gradients(engine, ctx.call, match, cotangent)
-        return (None, None, None, None, *grads)
+            grads = _native_gradients(engine, ctx.call, match, cotangent, ctx.inputs)
+        return (None, None, None, None, None, *grads)
 
 
-def _native_gradients(engine, call: Call, match: Match, cotangent) -> list[torch.Tensor]:
+def _native_gradients(engine, call: Call, match: Match, cotangent, inputs: tuple[int, ...]) -> list[torch.Tensor]:
     """The call's forward and backward as the loop would have run them (same autocast state)."""
     enabled, dtype = match.places[0][0].state.autocast
+    tensors = call.tensors
     with torch.enable_grad(), torch.autocast(call.device.type, dtype=dtype, enabled=enabled):
-        output, _, _ = output_tensor(engine.backbone(*call.args, **call.kwargs))
-    return list(torch.autograd.grad(output, engine.trainable(match), cotangent, allow_unused=True,
-                                    materialize_grads=True))
+        output, _, _ = output_layout(engine.native(*call.args, **call.kwargs))
+    return list(torch.autograd.grad(output, [*engine.trainable(match), *(tensors[i] for i in inputs)], cotangent,
+                                    allow_unused=True, materialize_grads=True))

@@ -81,7 +81,8 @@ class StateReader:
     def fingerprint(self) -> torch.Tensor:
         """Each weight's norm, one fused pass over all of them: it moves when a write through ``.data`` changes
         a weight (a write that keeps a whole tensor's norm, such as a permutation, would not show)."""
-        tensors = [t.detach() for t in self.tensors if t.numel()]
+        # A sharded weight (FSDP2's DTensor) by its local shard: each rank checks its own.
+        tensors = [t.detach().to_local() if hasattr(t, "to_local") else t.detach() for t in self.tensors if t.numel()]
         if not tensors:
             return torch.zeros(0, device="cpu")
         return torch.stack(torch._foreach_norm(tensors))

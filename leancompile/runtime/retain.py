@@ -19,42 +19,44 @@ from .engine import KeptCall, Match, ReuseEngine, RowPick, ReuseSchedule
 
 @dataclass
 class RetainedRows:
-    saved: list[torch.Tensor]  # the program's saved tensors, rows on dimension 0 for those computed from the rows
+    saved: list[torch.Tensor]  # the program's per-row saved tensors, rows on dimension 0
     position: list[int]  # per row of the call: its row in ``saved`` (-1: pruned, nothing kept)
 
 
 class Retain(ReuseSchedule):
     name = "retain"
     held = "retained_bytes"
+    input_gradients = True  # the per-row backward returns each row's input gradient too (blocks: see .regional)
 
     def __init__(self, segments: int = 1, pruned: tuple[int, ...] = ()):
         self.segments = segments
         self.pruned = tuple(pruned)
 
     def keep(self, engine: ReuseEngine, kept: KeptCall, saved: list[torch.Tensor], action) -> None:
-        per_row = kept.rowwise.program_of(kept.key).per_row
         rows = len(kept.output)
         keep = list(range(rows))
         if self.pruned and rows % self.segments == 0:
             keep = [r for r in keep if r // (rows // self.segments) not in self.pruned]
         if len(keep) < rows:
             pick = RowPick(keep)
-            saved = [pick.of(t) if row else t for t, row in zip(saved, per_row)]
+            saved = [pick.of(t) for t in saved]
         if getattr(action, "kind", None) is Action.OFFLOAD:
             pin = torch.cuda.is_available()
-            saved = [(t.to("cpu").pin_memory() if pin else t.to("cpu")) if row else t
-                     for t, row in zip(saved, per_row)]
+            saved = [t.to("cpu").pin_memory() if pin else t.to("cpu") for t in saved]
         position = [-1] * rows
         for i, r in enumerate(keep):
             position[r] = i
         kept.rows = RetainedRows(saved, position)
-        kept.nbytes = sum(t.numel() * t.element_size() for t, row in zip(saved, per_row) if row)
+        kept.nbytes = sum(t.numel() * t.element_size() for t in saved)
 
-    def gradients(self, engine: ReuseEngine, match: Match, cotangent: torch.Tensor) -> list[torch.Tensor] | None:
+    def gradients(self, engine: ReuseEngine, match: Match, cotangent: torch.Tensor,
+                  inputs: tuple[int, ...] = ()) -> list[torch.Tensor] | None:
         device, total = cotangent.device, None
+        rows_total = len(match.places)
+        input_grads: dict[int, torch.Tensor] = {}
         for calls in _by_program(match):
             kept0 = calls[0][0]
-            per_row = kept0.rowwise.program_of(kept0.key).per_row
+            program = kept0.rowwise.program_of(kept0.key)
             parts, positions = [], []  # per kept call: the rows of its saved tensors, and where they sit in the call
             for kept, kept_rows, call_positions in calls:
                 held = [(kept.rows.position[r], p) for r, p in zip(kept_rows, call_positions)]
@@ -70,17 +72,25 @@ class Retain(ReuseSchedule):
             # One pick per kept call (a slice where its rows are consecutive), then one gather per saved tensor.
             picks = [RowPick(rows) for _, rows in parts]
             saved = []
-            for i, row in enumerate(per_row):
-                if not row:
-                    saved.append(kept0.rows.saved[i])
-                    continue
+            for i in range(len(kept0.rows.saved)):
                 pieces = [pick.of(kept.rows.saved[i]) for (kept, _), pick in zip(parts, picks)]
                 # Contiguous, as the graphs were traced on (a slice of a transposed tensor is not).
                 gathered = pieces[0].contiguous() if len(pieces) == 1 else torch.cat(pieces)
                 saved.append(gathered if gathered.device == device else gathered.to(device))
-            grads = kept0.rowwise.backward(kept0.key, saved, RowPick(positions).of(cotangent).contiguous())
-            total = grads if total is None else [a + b for a, b in zip(total, grads)]
-        return total if total is not None else [torch.zeros_like(p) for p in engine.trainable(match)]
+            pick = RowPick(positions)
+            grads = kept0.rowwise.backward(kept0.key, saved, pick.of(cotangent).contiguous())
+            params = grads[:len(program.trainable)]
+            per_input = dict(zip(program.input_grads, grads[len(program.trainable):]))
+            total = params if total is None else [a + b for a, b in zip(total, params)]
+            for i in inputs:  # each row's input gradient, placed at its row of the call
+                grad = per_input[i]
+                if i not in input_grads:
+                    input_grads[i] = grad.new_zeros((rows_total, *grad.shape[1:]))
+                input_grads[i].index_copy_(0, torch.tensor(positions, device=device), grad)
+        if total is None:
+            total = [torch.zeros_like(p) for p in engine.trainable(match)]
+        # Rows with no saved tensors (pruned, their cotangent verified zero) pass zero to their inputs (None).
+        return [*total, *(input_grads.get(i) for i in inputs)]
 
 
 def _by_program(match: Match) -> list[list]:

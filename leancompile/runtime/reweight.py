@@ -96,7 +96,8 @@ class Reweight(ReuseSchedule):
             rows.used[row] = True
         return None
 
-    def gradients(self, engine: ReuseEngine, match: Match, cotangent: torch.Tensor) -> list[torch.Tensor] | None:
+    def gradients(self, engine: ReuseEngine, match: Match, cotangent: torch.Tensor,
+                  inputs: tuple[int, ...] = ()) -> list[torch.Tensor] | None:
         groups = [(kept.rows, torch.tensor(rows, device=cotangent.device), torch.tensor(positions, device=cotangent.device))
                   for kept, rows, positions in match.by_call()]
         order = torch.cat([positions for _, _, positions in groups])  # this call's rows, grouped by kept call

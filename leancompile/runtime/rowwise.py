@@ -33,7 +33,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from ..backbones.checkpointing import without_checkpointing
 from ..passes import pipeline
 from ..passes.rowwise import random_operators
-from .calls import Call, output_tensor
+from .calls import Call, OutputLayout, output_layout
 
 
 _TRACES: OrderedDict = OrderedDict()  # (program digest, batch, ...) -> traced graph, across backbones
@@ -48,23 +48,33 @@ class RowProgram:
     backward: torch.fx.GraphModule | None  # (*saved, cotangent) -> gradients of the forward's inputs (None: no grad)
     trainable: tuple[int, ...]  # positions among the weights whose gradient the backward returns
     per_row: tuple[bool, ...]  # per saved tensor: computed from the row's data (else from the weights alone)
-    output: object  # the tree of the module's output around its one tensor
+    output: OutputLayout | None  # the module's output around the one tensor the program returns
     digest: str  # of both graphs' code and constants: equal programs share their traced graphs
     refusal: str | None = None  # why such a call is never kept (a random operator, an output without rows)
+    input_grads: tuple[int, ...] = ()  # positions among the call's tensors whose gradients follow the weights'
+    # (weights...) -> the saved tensors computed from the weights alone: recomputed for each backward, so that a
+    # kept call holds activations only (under FSDP2 a gathered weight's storage is freed after its block)
+    weight_saved: torch.fx.GraphModule | None = None
 
 
 class RowwiseBackbone:
     """A module's call run row by row (as one vmapped graph) with its saved tensors handed out."""
 
     def __init__(self, backbone, memory_budget: float = 1.0, tune_matmuls: bool = True,
-                 history: pipeline.PassHistory | None = None):
+                 history: pipeline.PassHistory | None = None, traced=None, live_weights: bool = False,
+                 input_grads: bool = False):
         self.backbone = backbone
+        self.traced = traced if traced is not None else backbone  # what functional_call runs (hook-free)
         self.memory_budget = memory_budget
         self.tune_matmuls = tune_matmuls
         self.history = history if history is not None else pipeline.PassHistory()
-        # Looked up once: walking the modules on every call costs milliseconds per step.
+        # Read at each use where the module's parameters are swapped (FSDP2 registers its gathered weights in its
+        # pre-forward and the shards after); otherwise looked up once: walking the modules costs milliseconds per step.
+        self.live_weights = live_weights
+        self.input_grads = input_grads  # compile the gradients of the floating row inputs too (a block's states)
         self._params = dict(backbone.named_parameters())
         self._buffers = dict(backbone.named_buffers())
+        self._weight_values: tuple = ((), None)  # (key, versions, ids), the weight-only saved tensors
         self._programs: dict[tuple, RowProgram] = {}
         self._forwards: dict[tuple, torch.fx.GraphModule] = {}
         self._backwards: dict[tuple, torch.fx.GraphModule] = {}
@@ -73,7 +83,12 @@ class RowwiseBackbone:
 
     @property
     def weights(self) -> list[torch.Tensor]:
+        self._refresh()
         return [*self._params.values(), *self._buffers.values()]
+
+    def _refresh(self) -> None:
+        if self.live_weights:
+            self._params, self._buffers = dict(self.backbone.named_parameters()), dict(self.backbone.named_buffers())
 
     def program_of(self, key: tuple) -> RowProgram:
         """The compiled program of row signature ``key``."""
@@ -97,14 +112,14 @@ class RowwiseBackbone:
         return self._programs[key]
 
     def _partition(self, call: Call) -> RowProgram:
-        backbone, graphs, outputs = self.backbone, {}, []
+        traced, graphs, outputs = self.traced, {}, []
 
         def forward(params, buffers, *tensors):
             args, kwargs = call.with_tensors(tensors)
-            tensor, tree, refusal = output_tensor(torch.func.functional_call(backbone, (params, buffers), args, kwargs))
+            tensor, layout, refusal = output_layout(torch.func.functional_call(traced, (params, buffers), args, kwargs))
             if refusal is not None:
                 raise ValueError(refusal)
-            outputs.append(tree)
+            outputs.append(layout)
             return tensor
 
         def keep(name):
@@ -117,15 +132,20 @@ class RowwiseBackbone:
                                 partition_fn=min_cut_rematerialization_partition)
         # Traced on fake copies: compiling computes nothing and touches no parameter's .grad.
         fake = FakeTensorMode(allow_non_fake_inputs=True)
+        self._refresh()
         params = {n: fake.from_tensor(p) for n, p in self._params.items()}
         buffers = {n: fake.from_tensor(b) for n, b in self._buffers.items()}
         data = [fake.from_tensor(t[:1].detach() if row else t.detach())
                 for t, row in zip(call.tensors, call.tensor_rows)]
-        with fake, without_checkpointing(backbone), _compiling(), torch.enable_grad(), \
+        inputs = tuple(i for i, (t, row) in enumerate(zip(data, call.tensor_rows))
+                       if self.input_grads and row and t.is_floating_point())
+        for i in inputs:
+            data[i].requires_grad_()
+        with fake, without_checkpointing(traced), _compiling(), torch.enable_grad(), \
                 functorch_config.patch(activation_memory_budget=self.memory_budget):
             out = compiled(params, buffers, *data)
-            torch.autograd.grad(out, [p for p in params.values() if p.requires_grad], torch.zeros_like(out),
-                                allow_unused=True)  # compiles the backward graph
+            wrt = [p for p in params.values() if p.requires_grad] + [data[i] for i in inputs]
+            torch.autograd.grad(out, wrt, torch.zeros_like(out), allow_unused=True)  # compiles the backward graph
         fw, bw = graphs["forward"], graphs["backward"]
         refusal = None
         if out.dim() == 0 or out.shape[0] != 1:
@@ -137,7 +157,10 @@ class RowwiseBackbone:
         results = next(iter(bw.graph.find_nodes(op="output"))).args[0]
         weights = len(self._params) + len(self._buffers)
         trainable = tuple(i for i, r in enumerate(results[:weights]) if r is not None)
-        return RowProgram(fw, bw, trainable, _reads_data(fw, weights), outputs[0], _digest(fw, bw), refusal)
+        input_grads = tuple(i for i in inputs if results[weights + i] is not None)
+        per_row = _reads_data(fw, weights)
+        return RowProgram(fw, bw, trainable, per_row, outputs[0], _digest(fw, bw), refusal, input_grads,
+                          _weight_part(fw, weights, per_row))
 
     def _traced(self, cache: dict, key: tuple, fn, args, forward: bool = False) -> torch.fx.GraphModule:
         """``fn`` traced on ``args``; shared by every backbone whose program has the same digest (the weights are
@@ -177,31 +200,50 @@ class RowwiseBackbone:
             one = lambda *ts: tuple(fw(*weights, *[t.unsqueeze(0) if r else t for t, r in zip(ts, rows_in)]))
             return torch.vmap(one, in_dims=tuple(0 if r else None for r in rows_in), out_dims=out_dims)(*data)
 
-        gm = self._traced(self._forwards, (key, call.batch), rows, (self.weights, *data), forward=True)
+        weights = self.weights
+        gm = self._traced(self._forwards, (key, call.batch), rows, (weights, *data), forward=True)
         self.forward_graph = gm
         with torch.no_grad(), torch.autocast(call.device.type, enabled=False):
-            output, *saved = gm(self.weights, *data)
-        return output.squeeze(1), saved
+            output, *saved = gm(weights, *data)
+        return output.squeeze(1), [t for t, row in zip(saved, program.per_row) if row]
 
     def backward(self, key: tuple, saved: list[torch.Tensor], cotangent: torch.Tensor,
                  per_row: bool = False) -> list[torch.Tensor]:
-        """Gradients of the program's trainable parameters for the rows ``saved`` holds, given the output's
-        ``cotangent``: summed over the rows, or ``(rows, *shape)`` each when ``per_row``."""
+        """Gradients of the program's trainable parameters for the rows ``saved`` (the per-row saved tensors)
+        holds, given the output's ``cotangent``: summed over the rows, or ``(rows, *shape)`` each when ``per_row``;
+        then, per row, those of the inputs at ``input_grads``."""
         program = self._programs[key]
         bw, in_dims = program.backward, (*(0 if r else None for r in program.per_row), 0)
+        params = len(program.trainable)
 
         def rows(saved, cotangent):
             one = lambda *a: tuple(g for g in bw(*a[:-1], a[-1].unsqueeze(0)) if g is not None)
             if cotangent.shape[0] == 1:  # one row: its program as it is, no vmap
                 grads = one(*(t if d is None else t.squeeze(0) for t, d in zip(saved, in_dims)), cotangent[0])
-                return [g.unsqueeze(0) for g in grads] if per_row else list(grads)
+                return [g.unsqueeze(0) if per_row or i >= params else g for i, g in enumerate(grads)]
             grads = torch.vmap(one, in_dims=in_dims)(*saved, cotangent)
-            return list(grads) if per_row else [g.sum(0) for g in grads]
+            # an input's gradient at one row keeps the program's row dimension of 1
+            return [g.squeeze(1) if i >= params else g if per_row else g.sum(0) for i, g in enumerate(grads)]
 
+        rows_saved = iter(saved)
+        weight_saved = iter(self._weight_saved(key))
+        saved = [next(rows_saved) if row else next(weight_saved) for row in program.per_row]
         gm = self._traced(self._backwards, (key, cotangent.shape[0], per_row), rows, (saved, cotangent))
         self.backward_graph = gm
         with torch.no_grad(), torch.autocast(cotangent.device.type, enabled=False):
             return gm(saved, cotangent)
+
+    def _weight_saved(self, key: tuple) -> list[torch.Tensor]:
+        """The saved tensors of program ``key`` computed from the weights alone, from the current weights (kept
+        while the weights are the same tensors at the same versions)."""
+        weights = self.weights
+        stamp = (key, tuple(w._version for w in weights), tuple(map(id, weights)))
+        if self._weight_values[0] != stamp:
+            program = self._programs[key]
+            with torch.no_grad(), torch.autocast(weights[0].device.type, enabled=False):
+                values = list(program.weight_saved(*weights)) if program.weight_saved is not None else []
+            self._weight_values = (stamp, values)
+        return self._weight_values[1]
 
 
 
@@ -227,6 +269,30 @@ def _reads_data(fw: torch.fx.GraphModule, weights: int) -> tuple[bool, ...]:
             reads.add(node)
     saved = next(iter(fw.graph.find_nodes(op="output"))).args[0][1:]
     return tuple(n in reads for n in saved)
+
+
+def _weight_part(fw: torch.fx.GraphModule, weights: int, per_row: tuple[bool, ...]) -> torch.fx.GraphModule | None:
+    """``(weights...) -> the saved outputs of fw computed from the weights alone``, cut out of ``fw``."""
+    saved = next(iter(fw.graph.find_nodes(op="output"))).args[0][1:]
+    wanted = [n for n, row in zip(saved, per_row) if not row]
+    if not wanted:
+        return None
+    needed, stack = set(), list(wanted)
+    while stack:
+        node = stack.pop()
+        if node not in needed:
+            needed.add(node)
+            stack.extend(node.all_input_nodes)
+    graph, env = torch.fx.Graph(), {}
+    for i, node in enumerate(fw.graph.find_nodes(op="placeholder")):
+        if i < weights:
+            env[node] = graph.placeholder(node.name)
+            env[node].meta = dict(node.meta)
+    for node in fw.graph.nodes:
+        if node in needed and node.op != "placeholder":
+            env[node] = graph.node_copy(node, env.__getitem__)
+    graph.output(tuple(env[n] for n in wanted))
+    return torch.fx.GraphModule(fw, graph)
 
 
 def _digest(*graphs: torch.fx.GraphModule) -> str:

@@ -25,6 +25,8 @@ import contextlib
 import torch
 import torch.distributed as dist
 
+from ..backbones.plain import plain_copy
+
 
 class GradientSync:
     """One process: every backward's gradient is already the step's."""
@@ -129,6 +131,7 @@ class FSDPSync(GradientSync):
             module.set_custom_reduce_scatter(CountedReduceScatter())
         self.shards = {n: p for n, p in backbone.named_parameters() if p.requires_grad}
         self.gathered = False
+        self.per_block = False  # a step rewritten per transformer block keeps FSDP2's own gathers (runtime.regional)
         self._view = None  # (plain backbone, whole trainable weights), built on the first gather
         self._whole = {}  # name -> whole parameter (the module's unsharded one; FSDP2 reuses it across gathers)
 
@@ -152,10 +155,13 @@ class FSDPSync(GradientSync):
 
     @contextlib.contextmanager
     def whole_weights(self, trainer):
+        if self.per_block:
+            yield trainer.backbone, trainer.trainable
+            return
         self.gather()
         if self._view is None:
             self._whole = {n: p for n, p in self.root.named_parameters() if n in self.shards}
-            view = _without_fsdp(self.root)
+            view = plain_copy(self.root)
             # A call after an optimizer step (which updates the shards) gathers the new weights first.
             view.register_forward_pre_hook(lambda *_: self.gather())
             self._view = view, [self._whole[n] for n in trainer.trainable_names]
@@ -212,28 +218,6 @@ class FSDPSync(GradientSync):
 
     def full(self, tensor):
         return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
-
-
-def _without_fsdp(module: torch.nn.Module) -> torch.nn.Module:
-    """A copy of ``module``'s tree as its own classes, sharing its current parameters and buffers, without FSDP's
-    forward hooks (which would re-register the weights on the module and defeat a functional call)."""
-    from torch.distributed._composable.contract import REGISTRY_KEY, STATE_KEY
-    from torch.distributed.fsdp import FSDPModule
-    from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
-
-    cls = type(module)
-    if issubclass(cls, FSDPModule):  # fully_shard made the class FSDP<cls>(FSDPModule, cls)
-        cls = next(base for base in cls.__bases__ if base is not FSDPModule)
-    plain = object.__new__(cls)
-    plain.__dict__.update({k: v for k, v in module.__dict__.items() if k not in (STATE_KEY, REGISTRY_KEY)})
-    plain._parameters = dict(module._parameters)
-    plain._buffers = dict(module._buffers)
-    plain._modules = {name: _without_fsdp(child) for name, child in module._modules.items()}
-    for name in ("_forward_pre_hooks", "_forward_hooks"):
-        hooks = getattr(module, name)
-        kept = type(hooks)((k, h) for k, h in hooks.items() if not isinstance(getattr(h, "__self__", None), FSDPState))
-        setattr(plain, name, kept)
-    return plain
 
 
 def gradient_sync(engine: str, backbone: torch.nn.Module) -> GradientSync:

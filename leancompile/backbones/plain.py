@@ -1,0 +1,28 @@
+"""A module's tree without the hooks that distributed wrappers add, for tracing."""
+from __future__ import annotations
+
+import torch
+
+
+def plain_copy(module: torch.nn.Module) -> torch.nn.Module:
+    """A copy of ``module``'s tree as its own classes, sharing its current parameters and buffers, without FSDP2's
+    forward hooks (which would re-register the weights on the module and defeat a functional call) and without a
+    ``forward`` set on the instance (a block routed to a reuse engine): a functional call of it runs the class's
+    forward."""
+    from torch.distributed._composable.contract import REGISTRY_KEY, STATE_KEY
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
+
+    cls = type(module)
+    if issubclass(cls, FSDPModule):  # fully_shard made the class FSDP<cls>(FSDPModule, cls)
+        cls = next(base for base in cls.__bases__ if base is not FSDPModule)
+    plain = object.__new__(cls)
+    plain.__dict__.update({k: v for k, v in module.__dict__.items() if k not in (STATE_KEY, REGISTRY_KEY, "forward")})
+    plain._parameters = dict(module._parameters)
+    plain._buffers = dict(module._buffers)
+    plain._modules = {name: None if child is None else plain_copy(child) for name, child in module._modules.items()}
+    for name in ("_forward_pre_hooks", "_forward_hooks"):
+        hooks = getattr(module, name)
+        kept = type(hooks)((k, h) for k, h in hooks.items() if not isinstance(getattr(h, "__self__", None), FSDPState))
+        setattr(plain, name, kept)
+    return plain

@@ -1,0 +1,187 @@
+"""Reuse per transformer block: each block's calls go through their own reuse engine, verified and served as a
+whole backbone call is, while the module around the blocks runs eagerly as the trainer calls it.
+
+Under FSDP2, ``fully_shard`` puts its hooks on each block: the pre-forward gathers the block's weights and the
+post-forward frees them again; the pre-backward gathers them for the backward and the post-backward
+reduce-scatters the block's gradients (or accumulates them unsharded while gradient sync is off). A partition of
+the whole module cannot keep those hooks: AOTAutograd traces through them only on a gathered copy of every weight.
+Here only each block's own ``forward`` is replaced (an instance attribute, set for the duration of a backbone
+call), so FSDP2's hooks run around it exactly as natively:
+
+* a kept rollout call runs each block's one-row program (:mod:`.rowwise`) on the weights FSDP2 has just gathered
+  and keeps the block's per-row activations, never its weights (what the backward needs of the weights alone is
+  recomputed from the weights gathered for it);
+* an update call runs the embeddings and output layers natively, with grad (a small part of the FLOPs). The
+  backbone call is verified as a whole call is (every row's inputs bitwise equal to a kept call's rows, the same
+  state of every weight, flag and adapter, the same autocast); then each block's call is served from the kept
+  block call of those rows where the block's own state is the same too. The blocks' inputs are not compared
+  bitwise: the embeddings recompute them at the update's batch, and kernels that choose their reduction by batch
+  size (a matrix-vector product at one row) round them differently from the rollout's; they are the same
+  function of the same verified inputs and weights, so the block serves what Retain serves, exact in real
+  arithmetic. A backbone call that is not verified runs every block natively, and the statistics say why.
+  A served block's backward runs after FSDP2's pre-backward gathered its weights:
+  the block's one-row backward on the kept rows, returning the gradients of its parameters and of its inputs
+  (the previous block's output), which FSDP2's post-backward reduce-scatters as it does native's.
+"""
+from __future__ import annotations
+
+import contextlib
+import inspect
+from collections import Counter
+from collections.abc import Callable
+
+import torch
+
+from ..backbones.plain import plain_copy
+from ..passes.pipeline import PassHistory
+from .calls import Call
+from .engine import KeptCall, ReuseEngine, ReuseSchedule, StepLog
+from .identity import StateReader, row_keys
+from .rowwise import RowwiseBackbone
+
+
+class RegionalEngine:
+    """The backbone's calls run natively with each block's calls routed through the block's own engine."""
+
+    def __init__(self, backbone: torch.nn.Module, blocks: list[torch.nn.Module],
+                 schedule: Callable[[], ReuseSchedule], tune_matmuls: bool = True, history: PassHistory | None = None):
+        """``schedule`` makes each block's schedule; it must serve calls whose inputs require grad (Retain)."""
+        self.backbone = backbone
+        self.blocks = list(blocks)
+        self.engines = []
+        for block in self.blocks:
+            native = type(block).forward.__get__(block)  # the class's forward: the hooks run around the routing
+            rowwise = RowwiseBackbone(block, 1.0, tune_matmuls, history, traced=plain_copy(block), live_weights=True,
+                                      input_grads=True)
+            self.engines.append(ReuseEngine(block, schedule(), {1.0: rowwise}, native=native))
+        for engine in self.engines:
+            engine.identity = self._identity
+        self._routes = [_ByName(engine, inspect.signature(type(block).forward)) for block, engine
+                        in zip(self.blocks, self.engines)]
+        self.reader = StateReader(backbone)
+        self._calls: list[KeptCall] = []  # the kept backbone calls (inputs and state; the blocks keep the rest)
+        self._index: dict[tuple, list[tuple[KeptCall, int]]] = {}
+        self._current: tuple = (None, "no backbone call is running")
+        self._keeping = self._passing = False
+        self.schedule = self.engines[0].schedule
+        if not self.schedule.input_gradients:
+            raise ValueError(f"{self.schedule.name} cannot serve a block: its served calls do not return their "
+                             "inputs' gradients")
+        self.rowwise = self.engines[0].rowwise  # the first block's programs, for inspection
+
+    def __call__(self, *args, **kwargs):
+        self._current = (None, "") if self._passing else self._verify(Call.of(args, kwargs))
+        try:
+            with self._routed():
+                return self.backbone(*args, **kwargs)
+        finally:
+            self._current = (None, "no backbone call is running")
+
+    def _identity(self, call: Call) -> tuple[tuple[torch.Tensor, ...] | None, str]:
+        """A block call's identity: the rows of the backbone call it runs in, where that call is verified."""
+        rows, reason = self._current
+        if rows is not None and call.batch != rows[0].shape[0]:
+            return None, "the block's call holds other rows than the backbone call's"
+        return rows, reason
+
+    def _verify(self, call: Call) -> tuple[tuple[torch.Tensor, ...] | None, str]:
+        """The backbone call's rows when a kept call has them all (bitwise) in the same state; kept as such while
+        the blocks keep; else None and why."""
+        if call.refusal is not None:
+            return None, f"not reusable: {call.refusal}"
+        state = self.reader.read(call)
+        if self._calls and self._calls[0].state.versions != state.versions:
+            self._forget()  # made with other weights: never matched again
+        if self._keeping:
+            kept = KeptCall(state, tuple(t.detach() for t in call.row_inputs),
+                            tuple(t.detach() for t in call.whole_inputs), None, None)
+            self._calls.append(kept)
+            for row, digest in enumerate(row_keys(call.row_inputs)):
+                self._index.setdefault(digest, []).append((kept, row))
+            return call.row_inputs, ""
+        for i, digest in enumerate(row_keys(call.row_inputs)):
+            found = [(kept, row) for kept, row in self._index.get(digest, ())
+                     if all(torch.equal(mine[i], theirs[row]) for mine, theirs in zip(call.row_inputs, kept.inputs))
+                     and all(torch.equal(mine, theirs) for mine, theirs in zip(call.whole_inputs, kept.whole))]
+            if not found:
+                return None, f"the backbone call's row {i}: no kept call has these inputs"
+            difference = found[0][0].state.difference(state)
+            if difference is not None:
+                return None, f"the backbone call differs from the kept call with these inputs in {difference}"
+        return call.row_inputs, ""
+
+    def _forget(self) -> None:
+        self._calls, self._index = [], {}
+
+    @contextlib.contextmanager
+    def _routed(self):
+        for block, route in zip(self.blocks, self._routes):
+            block.forward = route
+        try:
+            yield
+        finally:
+            for block in self.blocks:
+                del block.forward
+
+    @contextlib.contextmanager
+    def keeping(self, action):
+        """Every block keeps its calls made inside under ``action``; yields the kept block calls."""
+        made = []
+        with contextlib.ExitStack() as stack:
+            for engine in self.engines:
+                made.append(stack.enter_context(engine.keeping(action)))
+            self._keeping = True
+            try:
+                yield made
+            finally:
+                self._keeping = False
+
+    @contextlib.contextmanager
+    def passing(self):
+        with contextlib.ExitStack() as stack:
+            for engine in self.engines:
+                stack.enter_context(engine.passing())
+            self._passing = True
+            try:
+                yield
+            finally:
+                self._passing = False
+
+    @property
+    def log(self) -> StepLog:
+        return StepLog([record for engine in self.engines for record in engine.log.records])
+
+    def end_step(self) -> dict:
+        """The blocks' statistics summed (calls count block calls; the bytes held, each block's peak summed)."""
+        self._forget()
+        stats = [engine.end_step() for engine in self.engines]
+        total = {}
+        for name in stats[0]:
+            if name == "recompute_reasons":
+                total[name] = dict(sum((Counter(s[name]) for s in stats), Counter()))
+            else:
+                total[name] = sum(s[name] for s in stats)
+        return total
+
+
+class _ByName:
+    """Calls a block's engine with every argument by name: a model passes its blocks' arguments by name in one
+    place and positionally in another (diffusers, under gradient checkpointing), and a call's tree is part of what
+    must match."""
+
+    def __init__(self, engine: ReuseEngine, signature: inspect.Signature):
+        self.engine = engine
+        self.signature = signature
+        self.named = all(p.kind is not p.VAR_POSITIONAL for p in signature.parameters.values())
+
+    def __call__(self, *args, **kwargs):
+        if not self.named:
+            return self.engine(*args, **kwargs)
+        bound = self.signature.bind(None, *args, **kwargs).arguments  # None: the block itself, bound already
+        named = {}
+        for name, value in list(bound.items())[1:]:
+            if self.signature.parameters[name].kind is inspect.Parameter.VAR_KEYWORD:
+                named.update(value)
+            else:
+                named[name] = value
+        return self.engine(**named)
