@@ -67,31 +67,32 @@ def _native_plan(config, requested: str, shared: str, reason: str, findings=()) 
                 exactness=EXACTNESS["native"])
 
 
-def _engine(trainer, schedule, plan_steps, tune_matmuls: bool, history: passes.PassHistory):
+def _engine(trainer, schedule, plan_steps, tune_matmuls: bool, history: passes.PassHistory,
+            per_block: bool | None = None):
     """The engine for ``trainer``'s backbone, with one per-row backbone per activation budget the plan uses; under
     FSDP2, Retain of whole activations per transformer block (FSDP2's own gathers kept, see runtime.regional)."""
     fractions = {a.fraction for a in plan_steps if a.keeps} | {1.0}
-    if _per_block(trainer, schedule, fractions):
-        sync = trainer.sync
-        sync.per_block = True
-        # The sharded backbone itself (``trainer`` may be the view on the gathered copy the analyses ran on)
-        blocks = [block for _, stack in sync.root.block_stacks() for block in stack]
-        return RegionalEngine(sync.root, blocks, lambda: Retain(schedule.segments, schedule.pruned),
+    fsdp = trainer.sync.kind == "fsdp"
+    if type(schedule) is Retain and fractions == {1.0} and (per_block or per_block is None and fsdp):
+        backbone = trainer.backbone
+        if fsdp:
+            trainer.sync.per_block = True
+            # Back to the shards first: the engines read each block's parameters now, and must see the shards the
+            # optimizer updates (their versions), not the gathered copies the analyses ran on (``trainer`` may be
+            # the view on those: the sharded backbone is the sync's).
+            trainer.sync.release()
+            backbone = trainer.sync.root
+        blocks = [block for _, stack in backbone.block_stacks() for block in stack]
+        return RegionalEngine(backbone, blocks, lambda: Retain(schedule.segments, schedule.pruned),
                               tune_matmuls, history)
     rowwise = {f: RowwiseBackbone(trainer.backbone, f, tune_matmuls=tune_matmuls, history=history)
                for f in sorted(fractions)}
     return ReuseEngine(trainer.backbone, schedule, rowwise, sync=trainer.sync)
 
 
-def _per_block(trainer, schedule, fractions) -> bool:
-    """Whether the step runs per transformer block: FSDP2 with Retain of whole activations (partial retention,
-    Reweight and bitwise Retain run on the gathered whole weights)."""
-    return trainer.sync.kind == "fsdp" and type(schedule) is Retain and fractions == {1.0}
-
-
 def optimize(trainer, schedule: str = "auto", memory_budget: float | None = None, strict: bool = False,
              memory_limit: int | None = None, samples_per_step: int | None = None, device=None,
-             tune_matmuls: bool = True, bitwise: bool = False):
+             tune_matmuls: bool = True, bitwise: bool = False, per_block: bool | None = None):
     """Return a trainer that runs the same GRPO step as ``trainer`` with the redundant backbone forward removed.
 
     Args:
@@ -115,6 +116,11 @@ def optimize(trainer, schedule: str = "auto", memory_budget: float | None = None
             call and serves an update call only when it holds exactly that call's rows in their order (rollout batch
             equal to the update's micro-batch); other calls recompute natively, Reweight and partial retention are
             refused. Without it Retain is exact in real arithmetic (float64 within 1e-10) but rounds differently.
+        per_block: run Retain per transformer block (:mod:`leancompile.runtime.regional`: the module around the
+            blocks runs natively, each block's calls are served inside a verified backbone call), which keeps
+            FSDP2's per-block gathers and reduce-scatters. ``None``: per block under FSDP2 (``parallel="fsdp"``),
+            the whole call otherwise; applies to Retain of whole activations (Reweight, partial retention and
+            bitwise Retain run the whole call).
 
     Returns:
         The optimized trainer, with ``.plan``, ``.graphs``, ``.pass_history`` (every pass run, at compile time
@@ -131,13 +137,18 @@ def optimize(trainer, schedule: str = "auto", memory_budget: float | None = None
     if bitwise and memory_budget is not None and memory_budget < 1:
         raise ValueError(f"memory_budget={memory_budget!r} with bitwise=True: partial retention recomputes part of the "
                          "forward in the per-row program, which is not bitwise; drop one of them")
+    if per_block is not None and not isinstance(per_block, bool):
+        raise ValueError(f"per_block must be True, False or None; got {per_block!r}")
+    if per_block and (bitwise or schedule == "reweight" or (memory_budget is not None and memory_budget < 1)):
+        raise ValueError("per_block=True runs Retain of whole activations; it cannot serve bitwise=True, "
+                         "schedule='reweight' or memory_budget < 1: drop per_block or those")
     if not isinstance(tune_matmuls, bool):
         raise ValueError(f"tune_matmuls must be True or False; got {tune_matmuls!r}")
     if memory_limit is not None and (not isinstance(memory_limit, int) or memory_limit <= 0):
         raise ValueError(f"memory_limit must be a positive number of bytes; got {memory_limit!r}")
     if samples_per_step is not None and (not isinstance(samples_per_step, int) or samples_per_step < 2):
         raise ValueError(f"samples_per_step must be an integer >= 2; got {samples_per_step!r}")
-    budget = _Budget(memory_limit, samples_per_step, device)
+    options = _Options(memory_limit, samples_per_step, device, per_block)
     check_protocol(trainer)
     history = passes.PassHistory()
     # Analysed and compiled on the weights a rewritten step runs on (FSDP2: gathered whole, see trainers.parallel).
@@ -151,7 +162,7 @@ def optimize(trainer, schedule: str = "auto", memory_budget: float | None = None
                                 "schedule='native': the untransformed program")
             graphs, runtime = {"rollout": programs.rollout, "update": programs.update}, None
         else:
-            plan, graphs, runtime = _compile(subject, programs, schedule, memory_budget, strict, budget, tune_matmuls,
+            plan, graphs, runtime = _compile(subject, programs, schedule, memory_budget, strict, options, tune_matmuls,
                                              bitwise, history)
     optimized = copy.copy(trainer)
     optimized.__class__ = optimized_class(type(trainer))
@@ -170,15 +181,16 @@ def _on_weights(trainer, backbone, trainable):
 
 
 @dataclass(frozen=True)
-class _Budget:
-    """What the auto planner plans for."""
+class _Options:
+    """What the caller asked of the auto planner (what it plans for) and of the runtime."""
 
     memory_limit: int | None
     samples_per_step: int | None
     device: object
+    per_block: bool | None = None  # how the runtime runs Retain (see optimize)
 
 
-def _compile(trainer, programs, requested: str, memory_budget, strict: bool, budget: _Budget,
+def _compile(trainer, programs, requested: str, memory_budget, strict: bool, options: _Options,
              tune_matmuls: bool, bitwise: bool, history: passes.PassHistory):
     """Run the analyses in order; where one finds no valid reuse, the plan is native and says why."""
     config = trainer.config
@@ -210,7 +222,7 @@ def _compile(trainer, programs, requested: str, memory_budget, strict: bool, bud
     refusal = _reweight_refusal(linearity, shared.numerics_only, bitwise)
     steps, cost = (), None
     if requested == "auto":
-        cost = _cost_plan(trainer, budget, refusal, linearity)
+        cost = _cost_plan(trainer, options, refusal, linearity)
         auto = cost["auto"]
         use_reweight, steps = auto.runs == "reweight", auto.steps if auto.runs == "retain" else ()
         if bitwise:  # the eager graph is kept whole or not at all
@@ -249,7 +261,7 @@ def _compile(trainer, programs, requested: str, memory_budget, strict: bool, bud
     plan = Plan(Schedule.RETAIN, requested, steps, REUSE_RULE, description, pruned, findings,
                 _describe_linearity(linearity), "none", choice, cost, EXACTNESS["bitwise" if bitwise else "retain"])
     kept = BitwiseRetain() if bitwise else Retain(shared.layout.segments, need.pruned)
-    return plan, graphs, _engine(trainer, kept, steps, tune_matmuls, history)
+    return plan, graphs, _engine(trainer, kept, steps, tune_matmuls, history, options.per_block)
 
 
 def _reweight_refusal(linearity, numerics_only: bool, bitwise: bool) -> str | None:
@@ -265,10 +277,10 @@ def _reweight_refusal(linearity, numerics_only: bool, bitwise: bool) -> str | No
     return None
 
 
-def _cost_plan(trainer, budget: _Budget, refusal, linearity):
+def _cost_plan(trainer, options: _Options, refusal, linearity):
     """The planner's predictions for this trainer on the device it runs on (or the one named)."""
     config = trainer.config
-    samples = budget.samples_per_step or config.train_batch_size * config.gradient_accumulation_steps
+    samples = options.samples_per_step or config.train_batch_size * config.gradient_accumulation_steps
     samples = max(samples, config.group_size)
     free = bool(linearity.advantage_free)
     scenario = trainer_scenario(trainer, samples, reweight_refusal=refusal, advantage_free=free,
@@ -276,12 +288,12 @@ def _cost_plan(trainer, budget: _Budget, refusal, linearity):
                                 sharding="fsdp" if trainer.sync.kind == "fsdp" else "ddp",
                                 per_sample_backwards=1,
                                 buffers=reweight_buffers(config, free, samples))
-    device = budget.device
+    device = options.device
     if device is None:
         device = live_device(trainer.device.type)
     elif isinstance(device, str):
         device = get_device(device)
-    return cost_planner.plan(scenario, device, budget.memory_limit)
+    return cost_planner.plan(scenario, device, options.memory_limit)
 
 
 BUFFERS = ("one provisional gradient per kept row and trained step (per basis cotangent: the policy term, and the "

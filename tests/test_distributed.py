@@ -72,6 +72,7 @@ def _worker(rank, port, cases, out):
         stats = trainer.step(case.prompts(rank))
         plan = getattr(trainer, "plan", None)
         results[case.name] = dict(stats=stats, weights=_full(trainer, trainer.trainable), grads=grads,
+                                  per_block=getattr(trainer.sync, "per_block", False),
                                   schedule=str(plan.schedule) if plan else "native", choice=plan.choice if plan else "")
     torch.save(results, os.path.join(out, f"rank{rank}.pt"))
     dist.destroy_process_group()
@@ -133,10 +134,10 @@ def test_data_parallel_step_equals_single_process_native(ranks, case):
 def test_one_gradient_sync_per_optimizer_step(ranks, case):
     """Every program syncs in the last backward before each optimizer step (a served call's gradients arrive in
     that backward); the provisional backwards of Reweight's rollout never communicate."""
-    # DDP: one all-reduce per bucket (one bucket here). FSDP2: natively one reduce-scatter per sharded module with
-    # gradients (the two transformer blocks, where the adapters live); a rewritten step reduce-scatters the
-    # gathered gradients of all modules in one.
-    per_sync = 2 if case.parallel == "fsdp" and case.schedule == "native" else 1
+    # DDP: one all-reduce per bucket (one bucket here). FSDP2: one reduce-scatter per sharded module with gradients
+    # (the two transformer blocks, where the adapters live), natively and per block under Retain; Reweight's step
+    # runs on the gathered weights and reduce-scatters the gradients of all modules in one.
+    per_sync = 2 if case.parallel == "fsdp" and case.schedule in ("native", "retain") else 1
     for rank in ranks:
         stats = rank[case.name]["stats"]
         assert stats["gradient_syncs"] == stats["optimizer_steps"] == (2 if case.name.startswith("two-steps") else 1)
@@ -155,6 +156,18 @@ def test_what_each_engine_runs(ranks):
         two = results[f"two-steps-{parallel}-retain"]
         assert two["stats"]["served_calls"] == two["stats"]["recomputed_calls"] > 0, {k: v for k, v in two["stats"].items() if "call" in k or "reason" in k or "optim" in k}
         assert _relative(two["weights"], results[f"two-steps-{parallel}-native"]["weights"]) <= 1e-12
+
+
+def test_fsdp_retain_runs_per_block_under_fsdp2s_own_gathers(ranks):
+    """Retain under FSDP2 keeps the per-block sharding: the step all-gathers each block's weights exactly when
+    native's does (no gather of the whole model), reduce-scatters per block, and serves every block call of the
+    micro-steps before the optimizer step."""
+    for rank in ranks:
+        native, retain = rank["fsdp-native"]["stats"], rank["fsdp-retain"]["stats"]
+        assert retain["weight_gathers"] == native["weight_gathers"] > 0
+        assert retain["gradient_collectives"] == native["gradient_collectives"]
+        assert retain["served_calls"] > 0 and retain["recomputed_calls"] == 0
+        assert rank["fsdp-retain"]["per_block"] and not rank["fsdp-reweight"]["per_block"]
 
 
 def test_bad_data_parallel_settings_name_the_field_and_the_fix():

@@ -228,7 +228,9 @@ def plan(s: Scenario, device: Device, budget: int | None = None) -> CostPlan:
     transient = int(call_memory(s, ckpt).subs({ROWS: g.update_rows, **values}))
     native = _estimate("native", static, {"activations (one call)": transient}, budget, native_s, native_f,
                        note="the untransformed program")
-    static = {**static, **_gathered(s)}  # what a rewritten step holds besides native's
+    per_block = s.sharding == "fsdp" and s.world_size > 1  # Retain runs per block under FSDP2's own gathers
+    gathered = {**static, **_gathered(s)}  # what a step on the whole weights holds besides native's
+    retain_static = static if per_block else gathered
 
     # What one eligible step saves when the update does not run its forward (per window call: the forward and,
     # under checkpointing, its recomputation).
@@ -236,19 +238,21 @@ def plan(s: Scenario, device: Device, budget: int | None = None) -> CostPlan:
     saved_f = g.window_calls * g.update_rows * flops_f * (1 + ckpt)
     step_bytes = int((g.retained_rows * activations_per_row(s)).subs(values))
     # Retain's update recomputes as native does after the first optimizer step: the same call in flight.
-    retained = _estimate("retain", static, {"retained activations": g.eligible * step_bytes,
+    retained = _estimate("retain", retain_static, {"retained activations": g.eligible * step_bytes,
                                              "activations (one call)": transient},
                          budget, native_s - g.eligible * saved_s, native_f - g.eligible * saved_f,
                          _all(Action.RETAIN, g.eligible), note=f"every trained step keeps {format_bytes(step_bytes)}")
-    reweight = _reweight(s, g, static, budget, native_s, native_f, fwd_u, bwd_u, device, values)
-    auto = _auto(s, g, static, budget, native, reweight, step_bytes, transient, saved_s, saved_f, device)
-    limits = _limits(s, g, sum(static.values()), budget)
+    reweight = _reweight(s, g, gathered, budget, native_s, native_f, fwd_u, bwd_u, device, values)
+    auto = _auto(s, g, retain_static, budget, native, reweight, step_bytes, transient, saved_s, saved_f, device,
+                 whole_steps=per_block)
+    limits = _limits(s, g, sum(retain_static.values()), budget)
     return CostPlan(device.name, budget, (native, retained, reweight, auto), limits)
 
 
 def _gathered(s: Scenario) -> dict[str, int]:
-    """Under FSDP2 a rewritten step runs on the whole weights (trainers.parallel): every rank holds the rest of the
-    weights and whole gradients until they are reduce-scattered."""
+    """Under FSDP2 Reweight and partial retention run on the whole weights (trainers.parallel): every rank holds the
+    rest of the weights and whole gradients until they are reduce-scattered. Retain of whole steps runs per block
+    (runtime.regional) and holds what native holds."""
     if s.sharding != "fsdp" or s.world_size == 1:
         return {}
     whole = (s.total_params - s.trainable_params) * s.weight_bytes + 2 * s.trainable_params * s.trainable_bytes
@@ -287,8 +291,10 @@ def _reweight(s, g, static, budget, native_s, native_f, fwd_u, bwd_u, device, va
                      note=f"{count} gradient buffers of {format_bytes(buffer)}")
 
 
-def _auto(s, g, static, budget, native, reweight, step_bytes, transient, saved_s, saved_f, device) -> Estimate:
-    """The best per-step mix of retain / retain@f / offload / recompute, or Reweight, or native.
+def _auto(s, g, static, budget, native, reweight, step_bytes, transient, saved_s, saved_f, device,
+          whole_steps: bool = False) -> Estimate:
+    """The best per-step mix of retain / retain@f / offload / recompute, or Reweight, or native (``whole_steps``:
+    under FSDP2, per block, only whole steps: retain, offload or recompute).
 
     A step retained at fraction f holds ``low + f * (full - low)`` bytes (``low``: what the partition keeps at
     budget 0, the blocks' inputs) and saves ``ckpt + f`` update forwards (under native checkpointing the update
@@ -301,7 +307,7 @@ def _auto(s, g, static, budget, native, reweight, step_bytes, transient, saved_s
     room = budget - sum(static.values()) - transient
     offload_s = (1 + ckpt) * forward_s - 2 * step_bytes / device.host_link if device.host_link else -math.inf
     fractions = [None] * g.eligible  # None: recompute
-    if ckpt and g.eligible * low <= room:
+    if ckpt and g.eligible * low <= room and not whole_steps:
         fractions = [0.0] * g.eligible
         room -= g.eligible * low
     for i in range(g.eligible):
@@ -311,7 +317,7 @@ def _auto(s, g, static, budget, native, reweight, step_bytes, transient, saved_s
             fractions[i], room = 1.0, room - cost
             continue
         partial = (room - (low if fractions[i] is None else 0)) / max(step_bytes - low, 1)
-        if partial >= _SMALLEST_PARTIAL:
+        if partial >= _SMALLEST_PARTIAL and not whole_steps:
             fractions[i] = math.floor(partial * 100) / 100
             room = 0
         break

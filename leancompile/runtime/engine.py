@@ -161,8 +161,8 @@ class ReuseEngine:
         # Or, for a wrapped module: the action to keep a call without grad that matches nothing under (None: not
         # kept), asked of each such call (see leancompile.wrap)
         self.admit = None
-        # Or, for a block's engine: (call) -> (the tensors identifying its rows, None) or (None, why it cannot be
-        # matched) (see runtime.regional)
+        # Or, for a block's engine: (call) -> (the tensors identifying its rows, "", "") or (None, why it cannot be
+        # matched, the reason's kind) (see runtime.regional)
         self.identity = None
         self._leaves: list | None = None  # while provisional loss heads run: the leaves handed out
         # While one head runs: the kept rows (id of the call, row) its calls were answered with. Equal samples each
@@ -207,9 +207,9 @@ class ReuseEngine:
         if call.refusal is not None:
             return self._native(call, f"not reusable: {call.refusal}", "arguments")
         if self.identity is not None:
-            rows, reason = self.identity(call)
+            rows, reason, kind = self.identity(call)
             if rows is None:
-                return self._native(call, reason, "inputs")
+                return self._native(call, reason, kind)
             call = dataclasses.replace(call, identity=rows)
         if self._keeping is not None:
             return self._keep(call, self.reader.read(call), start, self._keeping)

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-from collections import Counter
 from collections.abc import Callable
 
 import torch
@@ -38,6 +37,9 @@ from .calls import Call
 from .engine import KeptCall, ReuseEngine, ReuseSchedule, StepLog
 from .identity import StateReader, row_keys
 from .rowwise import RowwiseBackbone
+
+
+_IDLE = (None, "no backbone call is running", "arguments")
 
 
 class RegionalEngine:
@@ -61,8 +63,10 @@ class RegionalEngine:
         self.reader = StateReader(backbone)
         self._calls: list[KeptCall] = []  # the kept backbone calls (inputs and state; the blocks keep the rest)
         self._index: dict[tuple, list[tuple[KeptCall, int]]] = {}
-        self._current: tuple = (None, "no backbone call is running")
+        self._current: tuple = _IDLE
         self._keeping = self._passing = False
+        self._fingerprint, self._checked = None, True  # of every weight when the first call was kept
+        self._share_log()
         self.schedule = self.engines[0].schedule
         if not self.schedule.input_gradients:
             raise ValueError(f"{self.schedule.name} cannot serve a block: its served calls do not return their "
@@ -70,48 +74,60 @@ class RegionalEngine:
         self.rowwise = self.engines[0].rowwise  # the first block's programs, for inspection
 
     def __call__(self, *args, **kwargs):
-        self._current = (None, "") if self._passing else self._verify(Call.of(args, kwargs))
+        self._current = (None, "", "") if self._passing else self._verify(Call.of(args, kwargs))
         try:
             with self._routed():
                 return self.backbone(*args, **kwargs)
         finally:
-            self._current = (None, "no backbone call is running")
+            self._current = _IDLE
 
-    def _identity(self, call: Call) -> tuple[tuple[torch.Tensor, ...] | None, str]:
-        """A block call's identity: the rows of the backbone call it runs in, where that call is verified."""
-        rows, reason = self._current
+    def _identity(self, call: Call) -> tuple[tuple[torch.Tensor, ...] | None, str, str]:
+        """A block call's identity: the rows of the backbone call it runs in, where that call is verified (else
+        None, why not and the reason's kind)."""
+        rows, reason, kind = self._current
         if rows is not None and call.batch != rows[0].shape[0]:
-            return None, "the block's call holds other rows than the backbone call's"
-        return rows, reason
+            return None, "the block's call holds other rows than the backbone call's", "inputs"
+        return rows, reason, kind
 
-    def _verify(self, call: Call) -> tuple[tuple[torch.Tensor, ...] | None, str]:
+    def _verify(self, call: Call) -> tuple[tuple[torch.Tensor, ...] | None, str, str]:
         """The backbone call's rows when a kept call has them all (bitwise) in the same state; kept as such while
         the blocks keep; else None and why."""
         if call.refusal is not None:
-            return None, f"not reusable: {call.refusal}"
+            return None, f"not reusable: {call.refusal}", "arguments"
         state = self.reader.read(call)
         if self._calls and self._calls[0].state.versions != state.versions:
             self._forget()  # made with other weights: never matched again
         if self._keeping:
+            if self._fingerprint is None:
+                self._fingerprint, self._checked = self.reader.fingerprint(), False
             kept = KeptCall(state, tuple(t.detach() for t in call.row_inputs),
                             tuple(t.detach() for t in call.whole_inputs), None, None)
             self._calls.append(kept)
             for row, digest in enumerate(row_keys(call.row_inputs)):
                 self._index.setdefault(digest, []).append((kept, row))
-            return call.row_inputs, ""
+            return call.row_inputs, "", ""
+        if not self._calls:
+            return None, "nothing kept", "nothing kept"
         for i, digest in enumerate(row_keys(call.row_inputs)):
             found = [(kept, row) for kept, row in self._index.get(digest, ())
                      if all(torch.equal(mine[i], theirs[row]) for mine, theirs in zip(call.row_inputs, kept.inputs))
                      and all(torch.equal(mine, theirs) for mine, theirs in zip(call.whole_inputs, kept.whole))]
             if not found:
-                return None, f"the backbone call's row {i}: no kept call has these inputs"
+                return None, f"the backbone call's row {i}: no kept call has these inputs", "inputs"
             difference = found[0][0].state.difference(state)
             if difference is not None:
-                return None, f"the backbone call differs from the kept call with these inputs in {difference}"
-        return call.row_inputs, ""
+                return None, f"the backbone call differs from the kept call with these inputs in {difference}", \
+                    difference
+        if not self._checked:  # once per update phase: writes through .data move no version counter
+            self._checked = True
+            if not torch.equal(self.reader.fingerprint(), self._fingerprint):
+                self._forget()
+                return None, "a weight was written in place (through .data) since it was kept", "weights"
+        return call.row_inputs, "", ""
 
     def _forget(self) -> None:
         self._calls, self._index = [], {}
+        self._fingerprint, self._checked = None, True
 
     @contextlib.contextmanager
     def _routed(self):
@@ -147,21 +163,21 @@ class RegionalEngine:
             finally:
                 self._passing = False
 
-    @property
-    def log(self) -> StepLog:
-        return StepLog([record for engine in self.engines for record in engine.log.records])
+    def _share_log(self) -> None:
+        """One log for every block's engine: their records in call order."""
+        self.log = StepLog()
+        for engine in self.engines:
+            engine.log = self.log
 
     def end_step(self) -> dict:
-        """The blocks' statistics summed (calls count block calls; the bytes held, each block's peak summed)."""
+        """The step's statistics: calls count block calls; the bytes held are each block's peak, summed."""
         self._forget()
-        stats = [engine.end_step() for engine in self.engines]
-        total = {}
-        for name in stats[0]:
-            if name == "recompute_reasons":
-                total[name] = dict(sum((Counter(s[name]) for s in stats), Counter()))
-            else:
-                total[name] = sum(s[name] for s in stats)
-        return total
+        stats = self.log.stats()
+        blocks = [engine.end_step() for engine in self.engines]
+        for name in (self.schedule.held, "check_seconds"):
+            stats[name] = sum(s[name] for s in blocks)
+        self._share_log()
+        return stats
 
 
 class _ByName:

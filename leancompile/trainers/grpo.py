@@ -365,6 +365,7 @@ class GRPOTrainer:
     def step(self, prompts: Sequence) -> dict:
         """One GRPO step: rollout, advantages, update. Returns scalar statistics."""
         t0 = time.perf_counter()
+        gathers = self.sync.gathers
         rollout = self.rollout(prompts)
         t1 = time.perf_counter()
         advantages = self.advantages(rollout.rewards)
@@ -381,6 +382,7 @@ class GRPOTrainer:
             optimizer_steps=self.optimizer_steps - steps_before,
             gradient_syncs=self.sync.syncs - syncs,
             gradient_collectives=self.sync.collectives - collectives,
+            weight_gathers=self.sync.gathers - gathers,
             rollout_seconds=t1 - t0,
             update_seconds=t2 - t1,
             step_seconds=t2 - t0,

@@ -14,9 +14,13 @@ by the engine's own collectives:
   modules' ``unshard()`` gathers them into a plain copy of the backbone without FSDP's hooks, which AOTAutograd
   can trace; its gradients accumulate whole, and the sync reduce-scatters them into the shards in one collective.
 
+  A Retain step of whole activations runs per transformer block instead (``per_block``, set by
+  :func:`leancompile.optimize`; :mod:`leancompile.runtime.regional`): FSDP2's own hooks gather each block's
+  weights and reduce-scatter its gradients, as natively.
+
 ``backward(sync)`` is the one switch: the trainer syncs the last backward before each optimizer step. The sync
-counts what it did: ``syncs`` (backwards that synchronised) and ``collectives`` (DDP bucket all-reduces, FSDP
-reduce-scatters), so the gradient traffic of an optimizer step can be asserted.
+counts what it did: ``syncs`` (backwards that synchronised), ``collectives`` (DDP bucket all-reduces, FSDP
+reduce-scatters) and ``gathers`` (FSDP2 weight all-gathers), so the traffic of an optimizer step can be asserted.
 """
 from __future__ import annotations
 
@@ -37,6 +41,7 @@ class GradientSync:
         self.rank, self.world_size = (dist.get_rank(), dist.get_world_size()) if self.kind != "none" else (0, 1)
         self.syncs = 0
         self.collectives = 0
+        self.gathers = 0  # weight all-gathers (FSDP2)
 
     @contextlib.contextmanager
     def backward(self, sync: bool):
@@ -111,13 +116,18 @@ class FSDPSync(GradientSync):
     def __init__(self, backbone):
         super().__init__()
         from torch.distributed.fsdp import FSDPModule, fully_shard
-        from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
+        from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
 
         sync = self
 
         class CountedReduceScatter(DefaultReduceScatter):
             def __call__(self, *args, **kwargs):
                 sync.collectives += 1
+                return super().__call__(*args, **kwargs)
+
+        class CountedAllGather(DefaultAllGather):
+            def __call__(self, *args, **kwargs):
+                sync.gathers += 1
                 return super().__call__(*args, **kwargs)
 
         for _, blocks in backbone.block_stacks():
@@ -129,6 +139,7 @@ class FSDPSync(GradientSync):
         self.sharded_modules = [m for m in backbone.modules() if isinstance(m, FSDPModule)]
         for module in self.sharded_modules:
             module.set_custom_reduce_scatter(CountedReduceScatter())
+            module.set_custom_all_gather(CountedAllGather())
         self.shards = {n: p for n, p in backbone.named_parameters() if p.requires_grad}
         self.gathered = False
         self.per_block = False  # a step rewritten per transformer block keeps FSDP2's own gathers (runtime.regional)

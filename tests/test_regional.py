@@ -1,0 +1,106 @@
+"""Retain per transformer block (``optimize(t, "retain", per_block=True)``, what FSDP2 runs: runtime.regional)
+trains exactly what native trains, and serves a block only inside a verified backbone call."""
+import dataclasses
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from leancompile import optimize
+from leancompile.runtime.regional import RegionalEngine
+from leancompile.trainers import DanceGRPOConfig, FlowGRPOConfig
+
+from conftest import check_served_calls, mark_optimizer_steps
+from test_retain_equivalence import _build, grpo_configs
+
+
+def _flat(trainer):
+    return torch.cat([p.detach().flatten().double() for p in trainer.trainable])
+
+
+def _run_both(family, config, prompts=(1, 2), between=None):
+    """Native's and the per-block program's weight updates over one step (``between(trainer)`` runs after each
+    rollout, before its update)."""
+    trainers = [_build(family, config), optimize(_build(family, config), schedule="retain", per_block=True)]
+    start = _flat(trainers[0])
+    stats = []
+    for trainer in trainers:
+        if between is not None:
+            rollout = type(trainer).rollout
+            trainer.rollout = lambda p, t=trainer, r=rollout: (r(t, p), between(t))[0]
+        stats.append(trainer.step(list(prompts)))
+    return trainers[1], stats, _flat(trainers[0]) - start, _flat(trainers[1]) - start
+
+
+def _relative(a, b) -> float:
+    return float((a - b).norm() / b.norm())
+
+
+@given(family=st.sampled_from(["flux", "sd3", "wan"]), config=grpo_configs())
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+def test_per_block_retain_equals_native_in_float64(family, config):
+    native = _build(family, config)
+    fast = optimize(_build(family, config), schedule="retain", per_block=True)
+    assert isinstance(fast._engine, RegionalEngine)
+    marks = mark_optimizer_steps(fast)
+    start = _flat(native)
+    n_stats, f_stats = native.step([1, 2]), fast.step([1, 2])
+    assert n_stats["optimizer_steps"] == f_stats["optimizer_steps"]
+    d_native, d_fast = _flat(native) - start, _flat(fast) - start
+    if d_native.norm() > 0:
+        assert _relative(d_fast, d_native) <= 1e-10
+    else:
+        assert float(d_fast.norm()) <= 1e-14
+    check_served_calls(fast, marks, every_call_served=config.num_inner_epochs == 1)
+
+
+def test_every_block_call_of_the_update_is_served_and_returns_its_inputs_gradient():
+    """DanceGRPO-style: the rollout calls hold a group, the update one sample; with full fine-tuning the embeddings
+    train too, so each block's served backward must hand its inputs' gradient back through the embeddings."""
+    config = DanceGRPOConfig(num_steps=3, group_size=3, gradient_accumulation_steps=3, lora_rank=None,
+                             dtype="float64", max_grad_norm=1.0)
+    fast, (_, stats), d_native, d_fast = _run_both("flux", config, prompts=(1,))
+    assert _relative(d_fast, d_native) <= 1e-10
+    blocks = len(fast._engine.blocks)
+    assert stats["recomputed_calls"] == 0 and stats["served_calls"] == blocks * stats["optimizer_steps"] * 3
+    assert stats["retained_bytes"] > 0
+
+
+def test_a_write_through_data_into_the_embeddings_recomputes_every_block():
+    """Only the blocks' own weights are each block's state; a change of the embeddings' weights (here a write
+    through .data, which moves no version counter) must still keep every block from being served."""
+    config = FlowGRPOConfig(num_steps=2, group_size=2, train_batch_size=2, dtype="float64", timestep_fraction=1.0)
+
+    def write(trainer):
+        with torch.no_grad():
+            trainer.backbone.model.pos_embed.proj.weight.data.mul_(1.01)
+
+    fast, _, d_native, d_fast = _run_both("sd3", config, prompts=(1,), between=write)
+    assert _relative(d_fast, d_native) <= 1e-10
+    calls = [r for r in fast.last_calls if r.action in ("served", "recomputed")]
+    assert calls and all(r.action == "recomputed" for r in calls)
+    assert calls[0].kind == "weights" and {r.kind for r in calls} <= {"weights", "nothing kept"}
+
+
+def test_a_second_optimizer_step_recomputes_its_blocks():
+    config = FlowGRPOConfig(num_steps=3, group_size=4, train_batch_size=2, gradient_accumulation_steps=1,
+                            dtype="float64", timestep_fraction=1.0)
+    fast, (_, stats), d_native, d_fast = _run_both("sd3", config, prompts=(1,))
+    assert stats["optimizer_steps"] == 2 and stats["served_calls"] == stats["recomputed_calls"] > 0
+    assert _relative(d_fast, d_native) <= 1e-10
+
+
+def test_gradient_checkpointing_and_cfg_as_one_doubled_call():
+    config = FlowGRPOConfig(num_steps=2, group_size=2, train_batch_size=2, dtype="float64", guidance_scale=2.0,
+                            beta=0.05, gradient_checkpointing=True)
+    _, (_, stats), d_native, d_fast = _run_both("wan", config, prompts=(1, 2))
+    assert _relative(d_fast, d_native) <= 1e-10 and stats["served_calls"] > 0
+
+
+def test_per_block_arguments_are_checked():
+    trainer = _build("sd3", dataclasses.replace(FlowGRPOConfig(num_steps=2, group_size=2), dtype="float64"))
+    with pytest.raises(ValueError, match="per_block must be True, False or None"):
+        optimize(trainer, per_block="yes")
+    with pytest.raises(ValueError, match="per_block=True runs Retain of whole activations"):
+        optimize(trainer, schedule="reweight", per_block=True)
