@@ -220,7 +220,8 @@ class RowwiseBackbone:
             one = lambda *a: tuple(g for g in bw(*a[:-1], a[-1].unsqueeze(0)) if g is not None)
             if cotangent.shape[0] == 1:  # one row: its program as it is, no vmap
                 grads = one(*(t if d is None else t.squeeze(0) for t, d in zip(saved, in_dims)), cotangent[0])
-                return [g.unsqueeze(0) if per_row or i >= params else g for i, g in enumerate(grads)]
+                # an input's gradient has its row dimension already (the program's, of 1)
+                return [g.unsqueeze(0) if per_row and i < params else g for i, g in enumerate(grads)]
             grads = torch.vmap(one, in_dims=in_dims)(*saved, cotangent)
             # an input's gradient at one row keeps the program's row dimension of 1
             return [g.squeeze(1) if i >= params else g if per_row else g.sum(0) for i, g in enumerate(grads)]
