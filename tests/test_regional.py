@@ -65,6 +65,9 @@ def test_every_block_call_of_the_update_is_served_and_returns_its_inputs_gradien
     blocks = len(fast._engine.blocks)
     assert stats["recomputed_calls"] == 0 and stats["served_calls"] == blocks * stats["optimizer_steps"] * 3
     assert stats["retained_bytes"] > 0
+    # Identical blocks (Flux's double blocks, its single blocks) share one compiled program each.
+    programs = {id(engine.rowwise[1.0]._programs) for engine in fast._engine.engines}
+    assert len(programs) == len(fast.backbone.block_stacks()) < len(fast._engine.engines)
 
 
 def test_a_write_through_data_into_the_embeddings_recomputes_every_block():

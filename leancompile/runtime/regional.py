@@ -51,10 +51,11 @@ class RegionalEngine:
         self.backbone = backbone
         self.blocks = list(blocks)
         self.engines = []
+        programs: dict[tuple, dict] = {}  # per block structure: its compiled programs
         for block in self.blocks:
             native = type(block).forward.__get__(block)  # the class's forward: the hooks run around the routing
             rowwise = RowwiseBackbone(block, 1.0, tune_matmuls, history, traced=plain_copy(block), live_weights=True,
-                                      input_grads=True)
+                                      input_grads=True, programs=programs.setdefault(structure(block), {}))
             self.engines.append(ReuseEngine(block, schedule(), {1.0: rowwise}, native=native))
         for engine in self.engines:
             engine.identity = self._identity
@@ -178,6 +179,29 @@ class RegionalEngine:
             stats[name] = sum(s[name] for s in blocks)
         self._share_log()
         return stats
+
+
+def structure(module: torch.nn.Module) -> tuple:
+    """What decides a module's compiled program besides its call: every submodule's class and settings (scalar
+    attributes and dicts of scalars by value, other objects such as attention processors by class) and every parameter's and buffer's
+    name, shape and dtype (and whether it requires grad). Blocks with equal structures run one program, each on
+    its own weights."""
+    parts = []
+    for name, module_ in module.named_modules():
+        settings = []
+        for key, value in sorted(vars(module_).items()):
+            if key == "training" or key == "forward" or key.startswith("_"):
+                continue
+            if isinstance(value, (bool, int, float, str, type(None), tuple)):
+                settings.append((key, value))
+            elif isinstance(value, dict) and all(isinstance(v, (bool, int, float, str)) for v in value.values()):
+                settings.append((key, tuple(sorted(value.items()))))  # peft's per-adapter rank and scaling
+            elif not isinstance(value, (torch.Tensor, torch.nn.Module)):
+                settings.append((key, type(value)))
+        parts.append((name, type(module_), tuple(settings)))
+    parts += [(n, tuple(p.shape), p.dtype, p.requires_grad) for n, p in module.named_parameters()]
+    parts += [(n, tuple(b.shape), b.dtype) for n, b in module.named_buffers()]
+    return tuple(parts)
 
 
 class _ByName:

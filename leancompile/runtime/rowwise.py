@@ -62,7 +62,7 @@ class RowwiseBackbone:
 
     def __init__(self, backbone, memory_budget: float = 1.0, tune_matmuls: bool = True,
                  history: pipeline.PassHistory | None = None, traced=None, live_weights: bool = False,
-                 input_grads: bool = False):
+                 input_grads: bool = False, programs: dict | None = None):
         self.backbone = backbone
         self.traced = traced if traced is not None else backbone  # what functional_call runs (hook-free)
         self.memory_budget = memory_budget
@@ -75,7 +75,8 @@ class RowwiseBackbone:
         self._params = dict(backbone.named_parameters())
         self._buffers = dict(backbone.named_buffers())
         self._weight_values: tuple = ((), None)  # (key, versions, ids), the weight-only saved tensors
-        self._programs: dict[tuple, RowProgram] = {}
+        # Shared by modules of one structure (identical transformer blocks compile once: the weights are inputs)
+        self._programs: dict[tuple, RowProgram] = programs if programs is not None else {}
         self._forwards: dict[tuple, torch.fx.GraphModule] = {}
         self._backwards: dict[tuple, torch.fx.GraphModule] = {}
         self.forward_graph: torch.fx.GraphModule | None = None  # the last traced, for inspection
