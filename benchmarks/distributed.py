@@ -4,7 +4,8 @@
 
 Each rank trains its own prompts (the standard layout) on one CPU thread; every program runs the same steps,
 interleaved, and the gradients are averaged across the ranks once per optimizer step. A step's time is rank 0's
-(the ranks wait for each other in the gradient sync). Rows carry the gradient syncs and collectives per step.
+(the ranks wait for each other in the gradient sync). Rows carry the gradient syncs and collectives per step, the
+weight all-gathers per step (FSDP2) and whether the step ran per transformer block.
 """
 from __future__ import annotations
 
@@ -29,7 +30,9 @@ _SHOWN = ("backbone", "trainer", "tuning", "schedule", "native_seconds", "optimi
           "ratio", "max_rel_weight_diff", "repetitions")
 COLUMNS = tuple(c for c in report.COLUMNS if c[1] in _SHOWN) + (
     ("engine", "parallel", "{}"), ("ranks", "world_size", "{}"), ("gradient syncs/step", "gradient_syncs", "{}"),
-    ("collectives/step", "gradient_collectives", "{}"), ("native's", "native_gradient_collectives", "{}"))
+    ("collectives/step", "gradient_collectives", "{}"), ("native's", "native_gradient_collectives", "{}"),
+    ("weight gathers/step", "weight_gathers", "{}"), ("native's gathers", "native_weight_gathers", "{}"),
+    ("per block", "per_block", "{}"))
 TRAINERS = ("flowgrpo", "dancegrpo")
 
 
@@ -65,6 +68,8 @@ def _worker(rank, world, port, selected, repetitions, out):
                    "gradient_syncs": s["gradient_syncs"], "gradient_collectives": s["gradient_collectives"],
                    "optimizer_steps": s["optimizer_steps"],
                    "native_gradient_collectives": stats["native"]["gradient_collectives"],
+                   "weight_gathers": s["weight_gathers"], "native_weight_gathers": stats["native"]["weight_gathers"],
+                   "per_block": "yes" if getattr(programs[schedule].sync, "per_block", False) else "no",
                    "served_calls": s["served_calls"], "repetitions": repetitions,
                    "max_rel_weight_diff": max_rel_weight_diff(native, programs[schedule])}
             row["ratio"] = row["speedup"] / row["ideal_speedup"]

@@ -267,3 +267,15 @@ def test_the_wrapped_module_reads_as_the_module():
     assert isinstance(wrapped, leancompile.Wrapped)
     assert wrapped.config is wrapped.module.config  # attributes it lacks are the module's
     assert set(wrapped.module.state_dict()) == {k.removeprefix("module.") for k in wrapped.state_dict()}
+
+
+def test_a_loop_writing_into_a_rollout_output_does_not_change_what_is_served():
+    """The rollout's output is the loop's to modify in place (a sampler scaling its velocity); what was kept is not."""
+    module = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3)).double()
+    wrapped = leancompile.wrap(module)
+    x = torch.randn(5, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        wrapped(x).mul_(3.0)
+    served = wrapped(x)
+    assert wrapped.last_calls[-1].action == "served"
+    torch.testing.assert_close(served, module(x), rtol=1e-12, atol=1e-12)

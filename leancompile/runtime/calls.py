@@ -116,13 +116,15 @@ class OutputLayout:
             return tensors[0]
         return torch.cat([t.reshape(t.shape[0], -1) for t in tensors], dim=1)
 
-    def unpack(self, packed: torch.Tensor):
-        """The module's output tree around ``packed`` (this layout's rows on dimension 0)."""
+    def unpack(self, packed: torch.Tensor, copy: bool = False):
+        """The module's output tree around ``packed`` (this layout's rows on dimension 0). Several tensors are copies,
+        not views of ``packed``: the caller may write into them in place, and FSDP2's pre-backward hook on a block's
+        output is lost by an in-place write into a view. One tensor is ``packed`` itself unless ``copy``."""
         if not self.shapes:
-            tensors = iter([packed])
+            tensors = iter([packed.clone() if copy else packed])
         else:
             sizes = [math.prod(shape) for shape in self.shapes]
-            tensors = iter(part.view(packed.shape[0], *shape)
+            tensors = iter(part.reshape(packed.shape[0], *shape).clone()
                            for part, shape in zip(packed.split(sizes, dim=1), self.shapes))
         return pytree.tree_unflatten([next(tensors) if t else leaf for leaf, t in zip(self.leaves, self.tensor)],
                                      self.spec)

@@ -294,7 +294,7 @@ class ReuseEngine:
         if self._keeping is not None:  # the caller's list of what it kept (a wrapped module's admission has none)
             self._made.append(kept)
         self.log.records.append(CallRecord("kept", call.batch, str(getattr(action, "kind", action))))
-        return program.output.unpack(output)
+        return program.output.unpack(output, copy=True)  # the loop may write into what it gets; the kept stays
 
     def _remember(self, state, call: Call, output, layout, rowwise=None, key=(), keys=None) -> KeptCall:
         kept = KeptCall(state, tuple(t.detach() for t in call.identity_rows),
