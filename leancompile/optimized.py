@@ -34,9 +34,11 @@ class Optimized:
         engine = self._engine
         if engine is None:
             return super().step(prompts)
+        gathers = self.sync.gathers  # FSDP2's gather of the whole weights comes before the trainer's own step
         try:
             with self.sync.whole_weights(self) as (backbone, _), running(self, CalledAs(backbone, engine)):
                 stats = super().step(prompts)
+            stats["weight_gathers"] = self.sync.gathers - gathers
         finally:
             self.last_calls = list(engine.log.records)
             extra = engine.end_step()
