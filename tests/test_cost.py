@@ -129,18 +129,20 @@ def test_under_a_budget_that_cannot_retain_every_step_auto_fits():
     assert static_bytes(auto) + tracker.peak + held <= limit
 
 
-def test_under_fsdp_a_rewritten_step_holds_the_gathered_weights_and_gradients():
-    """trainers.parallel: an FSDP2 step that leancompile rewrites runs on the whole weights; native stays sharded."""
+def test_under_fsdp_reweight_holds_the_gathered_weights_and_retain_runs_per_block():
+    """trainers.parallel: under FSDP2 Reweight runs on the whole weights; Retain runs per block (runtime.regional)
+    and holds what native holds besides its activations; native stays sharded."""
     trainer = _trainer(FlowGRPOConfig(num_steps=3, group_size=2, train_batch_size=4, lora_rank=None))
     scenario = dataclasses.replace(trainer_scenario(trainer, 4), world_size=8, sharding="fsdp")
     cost = plan(scenario, get_device("a100-80gb"))
     whole = sum(p.numel() * p.element_size() for p in trainer.trainable) * 2  # weights and gradients, all trained
     components = {name: dict(cost[name].components) for name in ("native", "retain", "reweight")}
-    assert "gathered (FSDP2)" not in components["native"]
+    assert "gathered (FSDP2)" not in components["native"] and "gathered (FSDP2)" not in components["retain"]
+    assert components["reweight"]["gathered (FSDP2)"] == whole - whole // 8
     for name in ("retain", "reweight"):
-        assert components[name]["gathered (FSDP2)"] == whole - whole // 8
         assert components[name]["weights"] == components["native"]["weights"] == whole // 2 // 8
     assert components["reweight"]["gradient buffers"] == 4 * whole // 2  # per-sample gradients are whole
+    assert cost["auto"].runs == "retain" and cost["auto"].note.endswith("(per block)")
 
 
 @pytest.mark.timing

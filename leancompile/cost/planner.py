@@ -18,7 +18,7 @@ they fit, one step partially with what is left, and offloads or recomputes the r
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import sympy
 import torch
@@ -245,6 +245,13 @@ def plan(s: Scenario, device: Device, budget: int | None = None) -> CostPlan:
     reweight = _reweight(s, g, gathered, budget, native_s, native_f, fwd_u, bwd_u, device, values)
     auto = _auto(s, g, retain_static, budget, native, reweight, step_bytes, transient, saved_s, saved_f, device,
                  whole_steps=per_block)
+    if per_block:  # or partial retention on the gathered weights, where that fits and is faster
+        whole = _auto(s, g, gathered, budget, native, reweight, step_bytes, transient, saved_s, saved_f, device)
+        if whole.fits and (not auto.fits or whole.seconds < auto.seconds):
+            auto = whole
+        if auto.runs == "retain":  # as the runtime decides (leancompile.api._engine)
+            where = "per block" if all(a.fraction == 1 for a in auto.steps) else "on the gathered weights"
+            auto = replace(auto, note=f"{auto.note} ({where})")
     limits = _limits(s, g, sum(retain_static.values()), budget)
     return CostPlan(device.name, budget, (native, retained, reweight, auto), limits)
 
