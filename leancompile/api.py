@@ -68,14 +68,12 @@ def _native_plan(config, requested: str, shared: str, reason: str, findings=()) 
 
 
 def _engine(trainer, schedule, plan_steps, tune_matmuls: bool, history: passes.PassHistory,
-            per_block: bool | None = None):
-    """The engine for ``trainer``'s backbone, with one per-row backbone per activation budget the plan uses; under
-    FSDP2, Retain of whole activations per transformer block (FSDP2's own gathers kept, see runtime.regional)."""
-    fractions = {a.fraction for a in plan_steps if a.keeps} | {1.0}
-    fsdp = trainer.sync.kind == "fsdp"
-    if type(schedule) is Retain and fractions == {1.0} and (per_block or per_block is None and fsdp):
+            per_block: bool = False):
+    """The engine for ``trainer``'s backbone: one per-row backbone per activation budget the plan uses, or with
+    ``per_block`` (Retain) one engine per transformer block (FSDP2's own gathers kept, see runtime.regional)."""
+    if per_block and type(schedule) is Retain:
         backbone = trainer.backbone
-        if fsdp:
+        if trainer.sync.kind == "fsdp":
             trainer.sync.per_block = True
             # Back to the shards first: the engines read each block's parameters now, and must see the shards the
             # optimizer updates (their versions), not the gathered copies the analyses ran on (``trainer`` may be
@@ -85,6 +83,7 @@ def _engine(trainer, schedule, plan_steps, tune_matmuls: bool, history: passes.P
         blocks = [block for _, stack in backbone.block_stacks() for block in stack]
         return RegionalEngine(backbone, blocks, lambda: Retain(schedule.segments, schedule.pruned),
                               tune_matmuls, history)
+    fractions = {a.fraction for a in plan_steps if a.keeps} | {1.0}
     rowwise = {f: RowwiseBackbone(trainer.backbone, f, tune_matmuls=tune_matmuls, history=history)
                for f in sorted(fractions)}
     return ReuseEngine(trainer.backbone, schedule, rowwise, sync=trainer.sync)
@@ -258,10 +257,18 @@ def _compile(trainer, programs, requested: str, memory_budget, strict: bool, opt
     steps = _steps(config, StepAction(0, Action.RETAIN, fraction=memory_budget if partial else 1.0), steps)
     if bitwise:
         pruned = "nothing (bitwise: the eager graph is kept whole)"
+    per_block = options.per_block
+    if per_block is None:  # under FSDP2 per block, unless the plan keeps part of the partition on gathered weights
+        per_block = trainer.sync.kind == "fsdp" and not bitwise and (
+            cost["auto"].per_block if cost is not None else not partial)
+    if per_block and not bitwise:
+        choice += "; run per transformer block (runtime.regional)"
+        if any(a.fraction < 1 for a in steps if a.keeps):
+            choice += ", a step retained at a fraction keeping that fraction of the blocks"
     plan = Plan(Schedule.RETAIN, requested, steps, REUSE_RULE, description, pruned, findings,
                 _describe_linearity(linearity), "none", choice, cost, EXACTNESS["bitwise" if bitwise else "retain"])
     kept = BitwiseRetain() if bitwise else Retain(shared.layout.segments, need.pruned)
-    return plan, graphs, _engine(trainer, kept, steps, tune_matmuls, history, options.per_block)
+    return plan, graphs, _engine(trainer, kept, steps, tune_matmuls, history, per_block)
 
 
 def _reweight_refusal(linearity, numerics_only: bool, bitwise: bool) -> str | None:

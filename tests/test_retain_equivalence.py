@@ -78,9 +78,9 @@ def _capture_first_gradient(trainer):
     return grads
 
 
-def _run_both(family, config, prompts=(1, 2), **overrides):
+def _run_both(family, config, prompts=(1, 2), per_block=None, **overrides):
     native = _build(family, config, **overrides)
-    retain = optimize(_build(family, config, **overrides), schedule="retain")
+    retain = optimize(_build(family, config, **overrides), schedule="retain", per_block=per_block)
     native.first_gradient = _capture_first_gradient(native)
     retain.first_gradient = _capture_first_gradient(retain)
     retain.marks = mark_optimizer_steps(retain)

@@ -67,6 +67,7 @@ class Estimate:
     steps: tuple[StepAction, ...] = ()  # per eligible trained step, by position
     runs: str = ""  # which program auto runs ("retain" for any mix of retained steps)
     note: str = ""
+    per_block: bool = False  # Retain runs per transformer block (FSDP2's own gathers; runtime.regional)
 
 
 @dataclass(frozen=True)
@@ -244,14 +245,13 @@ def plan(s: Scenario, device: Device, budget: int | None = None) -> CostPlan:
                          _all(Action.RETAIN, g.eligible), note=f"every trained step keeps {format_bytes(step_bytes)}")
     reweight = _reweight(s, g, gathered, budget, native_s, native_f, fwd_u, bwd_u, device, values)
     auto = _auto(s, g, retain_static, budget, native, reweight, step_bytes, transient, saved_s, saved_f, device,
-                 whole_steps=per_block)
-    if per_block:  # or partial retention on the gathered weights, where that fits and is faster
+                 per_block=per_block)
+    if per_block:  # or the partition's checkpoint level on the gathered weights, where that fits and is faster
         whole = _auto(s, g, gathered, budget, native, reweight, step_bytes, transient, saved_s, saved_f, device)
         if whole.fits and (not auto.fits or whole.seconds < auto.seconds):
             auto = whole
-        if auto.runs == "retain":  # as the runtime decides (leancompile.api._engine)
-            where = "per block" if all(a.fraction == 1 for a in auto.steps) else "on the gathered weights"
-            auto = replace(auto, note=f"{auto.note} ({where})")
+        if auto.runs == "retain":
+            auto = replace(auto, note=f"{auto.note} ({'per block' if auto.per_block else 'on the gathered weights'})")
     limits = _limits(s, g, sum(retain_static.values()), budget)
     return CostPlan(device.name, budget, (native, retained, reweight, auto), limits)
 
@@ -299,9 +299,10 @@ def _reweight(s, g, static, budget, native_s, native_f, fwd_u, bwd_u, device, va
 
 
 def _auto(s, g, static, budget, native, reweight, step_bytes, transient, saved_s, saved_f, device,
-          whole_steps: bool = False) -> Estimate:
-    """The best per-step mix of retain / retain@f / offload / recompute, or Reweight, or native (``whole_steps``:
-    under FSDP2, per block, only whole steps: retain, offload or recompute).
+          per_block: bool = False) -> Estimate:
+    """The best per-step mix of retain / retain@f / offload / recompute, or Reweight, or native. ``per_block``
+    (FSDP2): ``retain@f`` keeps a fraction f of the transformer blocks (runtime.regional), and there is no
+    checkpoint level (a block keeps all of its activations or none).
 
     A step retained at fraction f holds ``low + f * (full - low)`` bytes (``low``: what the partition keeps at
     budget 0, the blocks' inputs) and saves ``ckpt + f`` update forwards (under native checkpointing the update
@@ -310,11 +311,11 @@ def _auto(s, g, static, budget, native, reweight, step_bytes, transient, saved_s
     """
     ckpt = bool(s.config.gradient_checkpointing)
     forward_s, forward_f = saved_s / (1 + ckpt), saved_f / (1 + ckpt)  # one window forward of one step
-    low = int(step_bytes * s.profile.checkpoint_bytes / max(s.profile.retained_bytes, 1)) if ckpt else 0
+    low = int(step_bytes * s.profile.checkpoint_bytes / max(s.profile.retained_bytes, 1)) if ckpt and not per_block else 0
     room = budget - sum(static.values()) - transient
     offload_s = (1 + ckpt) * forward_s - 2 * step_bytes / device.host_link if device.host_link else -math.inf
     fractions = [None] * g.eligible  # None: recompute
-    if ckpt and g.eligible * low <= room and not whole_steps:
+    if ckpt and g.eligible * low <= room and not per_block:
         fractions = [0.0] * g.eligible
         room -= g.eligible * low
     for i in range(g.eligible):
@@ -324,13 +325,16 @@ def _auto(s, g, static, budget, native, reweight, step_bytes, transient, saved_s
             fractions[i], room = 1.0, room - cost
             continue
         partial = (room - (low if fractions[i] is None else 0)) / max(step_bytes - low, 1)
-        if partial >= _SMALLEST_PARTIAL and not whole_steps:
+        if partial >= _SMALLEST_PARTIAL:
             fractions[i] = math.floor(partial * 100) / 100
             room = 0
         break
     steps, seconds, flops, held = [], native.seconds, native.flops, 0
     for f in fractions:
-        gain = (ckpt + f) * forward_s if f is not None else 0.0
+        # Forwards of the step saved: a kept block serves its forward and, under checkpointing, its recomputation;
+        # the partition at budget f saves the checkpoint's recomputation and f of the forward.
+        share = 0.0 if f is None else (1 + ckpt) * f if per_block else ckpt + f
+        gain = share * forward_s
         if offload_s > gain and (f is None or f < 1):
             steps.append(StepAction(len(steps), Action.OFFLOAD))
             seconds -= offload_s
@@ -340,13 +344,13 @@ def _auto(s, g, static, budget, native, reweight, step_bytes, transient, saved_s
         else:
             steps.append(StepAction(len(steps), Action.RETAIN, fraction=f))
             seconds -= gain
-            flops -= (ckpt + f) * forward_f
+            flops -= share * forward_f
             held += int(low + f * (step_bytes - low))
     extra = {"retained activations": held, "activations (one call)": transient}
     mix = None
     if any(a.kind is not Action.RECOMPUTE for a in steps):
-        mix = _estimate("auto", static, extra, budget, seconds, flops, tuple(steps), "retain",
-                        note=describe_steps(steps))
+        mix = replace(_estimate("auto", static, extra, budget, seconds, flops, tuple(steps), "retain",
+                                note=describe_steps(steps)), per_block=per_block)
     options = [e for e in (mix, reweight) if e is not None and e.fits] + [native]
     best = min(options, key=lambda e: e.seconds)
     if best is native:

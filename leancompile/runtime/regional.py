@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 
@@ -142,11 +143,19 @@ class RegionalEngine:
 
     @contextlib.contextmanager
     def keeping(self, action):
-        """Every block keeps its calls made inside under ``action``; yields the kept block calls."""
+        """The blocks keep their calls made inside under ``action``: all of them, or the first ``fraction`` of them
+        (``retain@f``: the others run natively in the update, their inputs the kept blocks' outputs); yields the
+        kept block calls."""
+        fraction = getattr(action, "fraction", 1.0)
+        kept = max(1, round(fraction * len(self.engines)))
+        whole = replace(action, fraction=1.0) if fraction != 1.0 else action  # a block keeps all or nothing
         made = []
         with contextlib.ExitStack() as stack:
-            for engine in self.engines:
-                made.append(stack.enter_context(engine.keeping(action)))
+            for i, engine in enumerate(self.engines):
+                if i < kept:
+                    made.append(stack.enter_context(engine.keeping(whole)))
+                else:
+                    stack.enter_context(engine.passing())
             self._keeping = True
             try:
                 yield made
