@@ -20,6 +20,8 @@ COLUMNS = (
     ("speedup", "speedup", "{:.2f}x"),
     ("ideal (FLOPs)", "ideal_speedup", "{:.2f}x"),
     ("measured/ideal", "ratio", "{:.2f}"),
+    ("limit", "limit_speedup", "{:.2f}x"),
+    ("measured/limit", "limit_ratio", "{:.2f}"),
     ("predicted", "predicted_speedup", "{:.2f}x"),
     ("auto/best", "auto_vs_best", "{:.2f}"),
     ("bitwise/fastest", "bitwise_vs_fastest", "{:.2f}"),
