@@ -101,7 +101,8 @@ class RegionalEngine:
             self._forget()  # made with other weights: never matched again
         if self._keeping:
             if self._fingerprint is None:
-                self._fingerprint, self._checked = self.reader.fingerprint(), False
+                self._fingerprint = self.reader.fingerprint()
+            self._checked = False  # the next update phase checks the fingerprint again
             kept = KeptCall(state, tuple(t.detach() for t in call.row_inputs),
                             tuple(t.detach() for t in call.whole_inputs), None, None)
             self._calls.append(kept)
@@ -111,15 +112,15 @@ class RegionalEngine:
         if not self._calls:
             return None, "nothing kept", "nothing kept"
         for i, digest in enumerate(row_keys(call.row_inputs)):
-            found = [(kept, row) for kept, row in self._index.get(digest, ())
+            found = [kept for kept, row in self._index.get(digest, ())
                      if all(torch.equal(mine[i], theirs[row]) for mine, theirs in zip(call.row_inputs, kept.inputs))
                      and all(torch.equal(mine, theirs) for mine, theirs in zip(call.whole_inputs, kept.whole))]
             if not found:
                 return None, f"the backbone call's row {i}: no kept call has these inputs", "inputs"
-            difference = found[0][0].state.difference(state)
-            if difference is not None:
-                return None, f"the backbone call differs from the kept call with these inputs in {difference}", \
-                    difference
+            differences = [kept.state.difference(state) for kept in found]
+            if None not in differences:
+                return None, f"the backbone call differs from the kept call with these inputs in {differences[0]}", \
+                    differences[0]
         if not self._checked:  # once per update phase: writes through .data move no version counter
             self._checked = True
             if not torch.equal(self.reader.fingerprint(), self._fingerprint):
