@@ -82,7 +82,7 @@ def _engine(trainer, schedule, plan_steps, tune_matmuls: bool, history: passes.P
             backbone = trainer.sync.root
         blocks = [block for _, stack in backbone.block_stacks() for block in stack]
         return RegionalEngine(backbone, blocks, lambda: Retain(schedule.segments, schedule.pruned),
-                              tune_matmuls, history)
+                              tune_matmuls, history, shared=backbone.spec.block_shared)
     fractions = {a.fraction for a in plan_steps if a.keeps} | {1.0}
     rowwise = {f: RowwiseBackbone(trainer.backbone, f, tune_matmuls=tune_matmuls, history=history)
                for f in sorted(fractions)}

@@ -29,6 +29,8 @@ class Family:
     packing: int  # latent channels are ``in_channels // packing`` (Flux packs 2x2 patches into channels)
     text_width: str  # the config key of the text conditioning's width
     tokens: Callable  # (model config, latent shape, text length) -> tokens per row the blocks attend over
+    # Its blocks' arguments that every row shares (rotary embeddings), whatever their leading size (runtime.regional)
+    block_shared: tuple[str, ...] = ()
     tiny: dict = field(default_factory=dict)  # a CPU-sized config with every structural feature of the real one
     tiny_geometry: dict = field(default_factory=dict)  # latent sizes and text length of the tiny model
 
@@ -87,6 +89,7 @@ FLUX = Family(
     _ATTENTION + _JOINT + ("proj_mlp", "proj_out"),
     video=False, packing=4, text_width="joint_attention_dim",
     tokens=lambda config, latent, text_len: latent[1] * latent[2] // 4 + text_len,  # 2x2 packed
+    block_shared=("image_rotary_emb",),
     tiny=dict(patch_size=1, in_channels=16, num_layers=2, num_single_layers=2, attention_head_dim=16,
               num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=16, guidance_embeds=True,
               axes_dims_rope=(4, 6, 6)),
@@ -102,7 +105,7 @@ SD3 = Family(
 )
 WAN = Family(
     "wan", WanTransformer3DModel, _call_wan, _ATTENTION + ("ffn.net.0.proj", "ffn.net.2"),
-    video=True, packing=1, text_width="text_dim", tokens=_video_tokens,
+    video=True, packing=1, text_width="text_dim", tokens=_video_tokens, block_shared=("rotary_emb",),
     tiny=dict(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=16, in_channels=4, out_channels=4,
               text_dim=32, freq_dim=32, ffn_dim=64, num_layers=2, cross_attn_norm=True,
               qk_norm="rms_norm_across_heads", eps=1e-6),

@@ -31,6 +31,7 @@ from collections.abc import Callable
 from dataclasses import replace
 
 import torch
+from torch.utils import _pytree as pytree
 
 from ..backbones.plain import plain_copy
 from ..passes.pipeline import PassHistory
@@ -47,8 +48,11 @@ class RegionalEngine:
     """The backbone's calls run natively with each block's calls routed through the block's own engine."""
 
     def __init__(self, backbone: torch.nn.Module, blocks: list[torch.nn.Module],
-                 schedule: Callable[[], ReuseSchedule], tune_matmuls: bool = True, history: PassHistory | None = None):
-        """``schedule`` makes each block's schedule; it must serve calls whose inputs require grad (Retain)."""
+                 schedule: Callable[[], ReuseSchedule], tune_matmuls: bool = True, history: PassHistory | None = None,
+                 shared: tuple[str, ...] = ()):
+        """``schedule`` makes each block's schedule; it must serve calls whose inputs require grad (Retain).
+        ``shared``: the blocks' arguments that every row shares whatever their leading size (a family's
+        ``block_shared``)."""
         self.backbone = backbone
         self.blocks = list(blocks)
         self.engines = []
@@ -57,7 +61,7 @@ class RegionalEngine:
             native = type(block).forward.__get__(block)  # the class's forward: the hooks run around the routing
             rowwise = RowwiseBackbone(block, 1.0, tune_matmuls, history, traced=plain_copy(block), live_weights=True,
                                       input_grads=True, programs=programs.setdefault(structure(block), {}))
-            self.engines.append(ReuseEngine(block, schedule(), {1.0: rowwise}, native=native))
+            self.engines.append(ReuseEngine(block, schedule(), {1.0: rowwise}, native=native, shared=frozenset(shared)))
         for engine in self.engines:
             engine.identity = self._identity
         self._routes = [_ByName(engine, inspect.signature(type(block).forward)) for block, engine
@@ -217,12 +221,19 @@ def structure(module: torch.nn.Module) -> tuple:
 class _ByName:
     """Calls a block's engine with every argument by name: a model passes its blocks' arguments by name in one
     place and positionally in another (diffusers, under gradient checkpointing), and a call's tree is part of what
-    must match."""
+    must match.
+
+    Names also say which tensors every row shares. A block receives tensors that are not per row but whose
+    leading size may equal the batch (Wan's rotary embedding, ``(1, 1, tokens, dim)``, in a call of one row): the
+    family names them (``Family.block_shared``), and for a module it does not know the first call of more than one
+    row shows which arguments those are, shared from then on (a call of one row kept before that is classified
+    otherwise, and so is never matched: it recomputes)."""
 
     def __init__(self, engine: ReuseEngine, signature: inspect.Signature):
         self.engine = engine
         self.signature = signature
         self.named = all(p.kind is not p.VAR_POSITIONAL for p in signature.parameters.values())
+        self.learned = False
 
     def __call__(self, *args, **kwargs):
         if not self.named:
@@ -234,4 +245,14 @@ class _ByName:
                 named.update(value)
             else:
                 named[name] = value
+        if not self.learned:
+            self._learn_shared(named)
         return self.engine(**named)
+
+    def _learn_shared(self, named: dict) -> None:
+        tensors = [(name, leaf) for name, value in named.items() for leaf in pytree.tree_leaves(value)
+                   if isinstance(leaf, torch.Tensor) and leaf.dim()]
+        batch = tensors[0][1].shape[0] if tensors else 1
+        if batch > 1:
+            self.engine.shared |= frozenset(name for name, t in tensors if t.shape[0] != batch)
+            self.learned = True
