@@ -257,9 +257,9 @@ def plan(s: Scenario, device: Device, budget: int | None = None) -> CostPlan:
 
 
 def _gathered(s: Scenario) -> dict[str, int]:
-    """Under FSDP2 Reweight and partial retention run on the whole weights (trainers.parallel): every rank holds the
-    rest of the weights and whole gradients until they are reduce-scattered. Retain of whole steps runs per block
-    (runtime.regional) and holds what native holds."""
+    """Under FSDP2 Reweight and the whole-call partition's mixes run on the whole weights (trainers.parallel): every
+    rank holds the rest of the weights and whole gradients until they are reduce-scattered. Retain per block
+    (runtime.regional) holds what native holds."""
     if s.sharding != "fsdp" or s.world_size == 1:
         return {}
     whole = (s.total_params - s.trainable_params) * s.weight_bytes + 2 * s.trainable_params * s.trainable_bytes
