@@ -202,6 +202,10 @@ class RowwiseBackbone:
             return torch.vmap(one, in_dims=tuple(0 if r else None for r in rows_in), out_dims=out_dims)(*data)
 
         weights = self.weights
+        # A kept call's weight-only values are recomputed from the weights its backward finds, which the engine
+        # verifies unchanged since this call (versions, fingerprint); values cached before it may predate a write
+        # through .data, which moves no version counter, or (FSDP2) a gather of updated shards.
+        self._weight_values = ((), None)
         gm = self._traced(self._forwards, (key, call.batch), rows, (weights, *data), forward=True)
         self.forward_graph = gm
         with torch.no_grad(), torch.autocast(call.device.type, enabled=False):
@@ -237,7 +241,7 @@ class RowwiseBackbone:
 
     def _weight_saved(self, key: tuple) -> list[torch.Tensor]:
         """The saved tensors of program ``key`` computed from the weights alone, from the current weights (kept
-        while the weights are the same tensors at the same versions)."""
+        until the next kept call, while the weights are the same tensors at the same versions)."""
         weights = self.weights
         stamp = (key, tuple(w._version for w in weights), tuple(map(id, weights)))
         if self._weight_values[0] != stamp:
