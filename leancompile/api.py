@@ -117,9 +117,10 @@ def optimize(trainer, schedule: str = "auto", memory_budget: float | None = None
             refused. Without it Retain is exact in real arithmetic (float64 within 1e-10) but rounds differently.
         per_block: run Retain per transformer block (:mod:`leancompile.runtime.regional`: the module around the
             blocks runs natively, each block's calls are served inside a verified backbone call), which keeps
-            FSDP2's per-block gathers and reduce-scatters. ``None``: per block under FSDP2 (``parallel="fsdp"``),
-            the whole call otherwise; applies to Retain of whole activations (Reweight, partial retention and
-            bitwise Retain run the whole call).
+            FSDP2's per-block gathers and reduce-scatters; a step the plan retains at a fraction f keeps that
+            fraction of the blocks. ``None``: per block under FSDP2 (``parallel="fsdp"``) unless auto's plan
+            prices the whole call on the gathered weights, the whole call otherwise. Reweight, ``memory_budget``
+            and bitwise Retain run the whole call.
 
     Returns:
         The optimized trainer, with ``.plan``, ``.graphs``, ``.pass_history`` (every pass run, at compile time

@@ -14,9 +14,9 @@ by the engine's own collectives:
   modules' ``unshard()`` gathers them into a plain copy of the backbone without FSDP's hooks, which AOTAutograd
   can trace; its gradients accumulate whole, and the sync reduce-scatters them into the shards in one collective.
 
-  A Retain step of whole activations runs per transformer block instead (``per_block``, set by
-  :func:`leancompile.optimize`; :mod:`leancompile.runtime.regional`): FSDP2's own hooks gather each block's
-  weights and reduce-scatter its gradients, as natively.
+  A Retain step planned per transformer block runs so instead (``per_block``, set by :func:`leancompile.optimize`;
+  :mod:`leancompile.runtime.regional`): FSDP2's own hooks gather each block's weights and reduce-scatter its
+  gradients, as natively.
 
 ``backward(sync)`` is the one switch: the trainer syncs the last backward before each optimizer step. The sync
 counts what it did: ``syncs`` (backwards that synchronised), ``collectives`` (DDP bucket all-reduces, FSDP
