@@ -118,9 +118,8 @@ def redundant_step(trainer, prompts) -> tuple[int, int]:
         call = Call.of(args, kwargs)
         if call.refusal is not None:
             return
-        state = reader.read(call)
-        identity = (state.signature, state.autocast, state.modules, state.versions, state.training)
-        rows = [(identity, digest) for digest in row_keys(call.row_inputs)]
+        state = reader.read(call)  # a frozen value: equal states hash equal
+        rows = [(state, digest) for digest in row_keys(call.row_inputs)]
         repeated = sum(row in seen for row in rows)
         seen.update(rows)
         redundant += flops * repeated / call.batch * (1 + (checkpointing and torch.is_grad_enabled()))

@@ -37,7 +37,10 @@ def test_rows_have_the_promised_fields(rows):
         assert (row["backbone"], row["trainer"], row["tuning"], row["repetitions"]) == ("sd3", "fast", "lora", 1)
         assert row["ratio"] == pytest.approx(row["speedup"] / row["ideal_speedup"])
         assert row["ideal_speedup"] > 1 and row["held_bytes"] > 0
+        assert row["limit_ratio"] == pytest.approx(row["speedup"] / row["limit_speedup"])
         assert row["served_calls"] > 0 and row["recomputed_calls"] == 0
+    # Retain removes exactly the update's repeated forwards: its FLOP-ideal is the method's limit.
+    assert rows[0]["limit_speedup"] == pytest.approx(rows[0]["ideal_speedup"], rel=0.02)
     auto = rows[2]
     assert auto["runs"] in ("retain", "reweight") and auto["plan"] and auto["auto_vs_best"] > 0
     if auto["timed_as"] != "auto":  # against the program it compiled to, every round's ratio is 1
