@@ -169,8 +169,19 @@ def optimize(trainer, schedule: str = "auto", memory_budget: float | None = None
     optimized.plan = plan
     optimized.graphs = graphs
     optimized._engine = runtime
+    optimized._reference_engine = _reference_engine(trainer, runtime)
     optimized.pass_history = history
     return optimized
+
+
+def _reference_engine(trainer, engine) -> ReuseEngine | None:
+    """Reweight's loss heads run the trainer's loss, its KL reference included, once per provisional advantage. A
+    reference that is a module of its own (full fine-tuning's frozen copy; LoRA's is the backbone with adapters
+    disabled, whose calls the backbone's engine sees) gets an engine of its own, so that it runs once per kept row."""
+    reference = getattr(trainer, "reference", None)
+    if engine is None or not isinstance(engine.schedule, Reweight) or not isinstance(reference, torch.nn.Module):
+        return None
+    return ReuseEngine(reference, engine.schedule, {})
 
 
 def _on_weights(trainer, backbone, trainable):

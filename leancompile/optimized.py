@@ -8,6 +8,8 @@ trainer's own loss head on each kept step. The update, its backward and its opti
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from .plan import Plan
@@ -22,6 +24,9 @@ class Optimized:
     plan: Plan
     graphs: dict
     _engine: ReuseEngine | None
+    # Reweight, where the KL reference is a module of its own (full fine-tuning): its calls' values, kept by the
+    # loss heads (which run the reference once per provisional advantage) and served to the update, verified
+    _reference_engine: ReuseEngine | None = None
     _predicted = None  # epoch 0's trained steps (samples, k), predicted before the rollout
     _kept_now: list = ()
 
@@ -31,17 +36,24 @@ class Optimized:
         return explain_text(self)
 
     def step(self, prompts):
-        engine = self._engine
+        engine, reference = self._engine, self._reference_engine
         if engine is None:
             return super().step(prompts)
         gathers = self.sync.gathers  # FSDP2's gather of the whole weights comes before the trainer's own step
         try:
-            with self.sync.whole_weights(self) as (backbone, _), running(self, CalledAs(backbone, engine)):
+            with contextlib.ExitStack() as routes:
+                backbone, _ = routes.enter_context(self.sync.whole_weights(self))
+                routes.enter_context(running(self, CalledAs(backbone, engine)))
+                if reference is not None:
+                    reference.log = engine.log  # one record of the step's calls, in call order
+                    routes.enter_context(running(self, CalledAs(self.reference, reference), "reference"))
                 stats = super().step(prompts)
             stats["weight_gathers"] = self.sync.gathers - gathers
         finally:
             self.last_calls = list(engine.log.records)
             extra = engine.end_step()
+            if reference is not None:
+                extra["check_seconds"] += reference.end_step()["check_seconds"]
             self._predicted = None
         stats.update(extra)
         self.graphs.update(runtime_graphs(engine))
@@ -111,7 +123,9 @@ class Optimized:
             return lambda: super(Optimized, self).micro_step_loss(micro)[0]
 
         schedule = self._engine.schedule
-        with torch.enable_grad():
+        with torch.enable_grad(), contextlib.ExitStack() as reference:
+            if self._reference_engine is not None:  # the heads' reference calls run once; the update's are served
+                reference.enter_context(self._reference_engine.answering_with_leaves())
             schedule.provisional(self._engine, list(self._kept_now), [head(a) for a in schedule.advantages])
 
     def optimizer_step(self):

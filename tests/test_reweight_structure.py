@@ -37,21 +37,28 @@ def test_the_provisional_rollout_backpropagates_the_kept_call_once():
     assert [tuple(g.meta["val"].shape) for g in grads] == [tuple(p.shape) for p in trainer.trainable]
 
 
-def test_the_kl_reference_runs_once_per_trained_sample_and_step_as_in_native():
+@pytest.mark.parametrize("lora_rank", [2, None])
+def test_the_kl_reference_runs_once_per_trained_sample_and_step_as_in_native(lora_rank):
     """Reweight evaluates the loss head twice in the rollout (``A = 1`` and ``A = 0``) and once more in the update;
-    the reference forward runs in the first and the engine serves the others its kept values."""
+    the reference forward runs in the first and the engine serves the others its kept values: LoRA's reference
+    is the backbone with adapters disabled, full fine-tuning's a frozen copy with an engine of its own."""
     rows, kl = {}, {}
     for schedule in ("native", "reweight"):
-        trainer = optimize(_trainer(beta=0.05, guidance_scale=2.0, lora_rank=2, dtype="float64", train_batch_size=2,
-                                    gradient_accumulation_steps=2), schedule=schedule)
+        trainer = optimize(_trainer(beta=0.05, guidance_scale=2.0, lora_rank=lora_rank, dtype="float64",
+                                    train_batch_size=2, gradient_accumulation_steps=2), schedule=schedule)
         rows[schedule] = 0
-        lora = next(m for m in trainer.backbone.modules() if hasattr(m, "lora_A"))
+        if lora_rank is None:
+            reference, counted = trainer.reference.model, lambda: True
+        else:
+            reference = trainer.backbone.model
+            lora = next(m for m in reference.modules() if hasattr(m, "lora_A"))
+            counted = lambda: lora.disable_adapters  # the reference: adapters disabled
 
         def count(module, args, kwargs):
-            if lora.disable_adapters:  # the reference: adapters disabled
+            if counted():
                 rows[schedule] += args[0].shape[0] if args else kwargs["hidden_states"].shape[0]
 
-        handle = trainer.backbone.model.register_forward_pre_hook(count, with_kwargs=True)
+        handle = reference.register_forward_pre_hook(count, with_kwargs=True)
         stats = trainer.step([1, 2])
         handle.remove()
         kl[schedule] = float(stats["kl"])

@@ -6,14 +6,15 @@ import contextlib
 
 
 @contextlib.contextmanager
-def running(trainer, backbone):
-    """Every backbone call of ``trainer`` runs ``backbone`` for the duration."""
-    original = trainer.backbone
-    trainer.__dict__["backbone"] = backbone
+def running(trainer, backbone, attribute: str = "backbone"):
+    """Every call of ``trainer``'s backbone (or of its module named ``attribute``) runs ``backbone`` for the
+    duration."""
+    original = getattr(trainer, attribute)
+    trainer.__dict__[attribute] = backbone
     try:
         yield
     finally:
-        trainer.__dict__["backbone"] = original
+        trainer.__dict__[attribute] = original
 
 
 class CalledAs:

@@ -239,15 +239,20 @@ class ReuseEngine:
                                                   *(tensors[i] for i in inputs)))
         output = self._native(call, reason, kind)
         if self._leaves is not None and not torch.is_grad_enabled():
-            # e.g. a KL reference the update will ask for again
-            start = time.perf_counter()
-            tensor, layout, refusal = output_layout(output)
-            if refusal is None:
-                state = self.reader.read(call)
-                self._drop_stale(state)
-                self._remember(state, call, tensor.detach(), layout, keys=keys)
-            self.check_seconds += time.perf_counter() - start
+            self._remember_values(call, output, keys)  # e.g. a KL reference the update will ask for again
         return output
+
+    def _remember_values(self, call: Call, output, keys) -> None:
+        """Keep a call's output values only (no activations): a later equal call without grad is served them."""
+        start = time.perf_counter()
+        tensor, layout, refusal = output_layout(output)
+        if refusal is None:
+            state = self.reader.read(call)
+            self._drop_stale(state)
+            if self._fingerprint is None:  # an engine that keeps values only (a KL reference's) checks them too
+                self._fingerprint, self._checked = self.reader.fingerprint(), False
+            self._remember(state, call, tensor.detach(), layout, keys=keys)
+        self.check_seconds += time.perf_counter() - start
 
     def _native(self, call: Call, reason: str, kind: str):
         """The module's own call; one with grad is counted as recomputed, with ``reason``."""

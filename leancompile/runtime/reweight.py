@@ -75,7 +75,9 @@ class Reweight(ReuseSchedule):
                 untouched.append(kept)
                 continue
             grads = [kept.rowwise.backward(kept.key, kept.rows, c.to(kept.output.dtype), per_row=True) for c in basis]
-            kept.rows = ProvisionalRows(torch.stack(basis, dim=1), [torch.stack(g, dim=1) for g in zip(*grads)],
+            # (rows, k, *shape); one basis needs no copy
+            gradients = [g[0].unsqueeze(1) if len(g) == 1 else torch.stack(g, dim=1) for g in zip(*grads)]
+            kept.rows = ProvisionalRows(torch.stack(basis, dim=1), gradients,
                                         torch.zeros(len(kept.output), dtype=torch.bool, device="cpu"))  # host flags
             nbytes = sum(t.numel() * t.element_size() for t in (kept.rows.cotangents, *kept.rows.gradients))
             engine._count(nbytes - kept.nbytes)
@@ -109,8 +111,31 @@ class Reweight(ReuseSchedule):
         bound = span_tolerance(cotangent.dtype) * g.norm(dim=1)
         if not bool((residual.norm(dim=1) <= bound).all()):
             return None
+        # Each parameter's gradient is a matrix-vector product over the rows' provisional gradients, read in place
+        # run by run of consecutive kept rows: gathering them first copied every row twice.
+        runs, offset = [], 0
+        for provisional, index, _ in groups:
+            for start, stop in _consecutive(index.tolist()):
+                runs.append((provisional, start, stop, coefficients[offset:offset + stop - start].flatten()))
+                offset += stop - start
         grads = []
         for i in range(len(groups[0][0].gradients)):
-            rows = torch.cat([provisional.gradients[i][index] for provisional, index, _ in groups])  # (rows, k, *shape)
-            grads.append(torch.einsum("rk,rk...->...", coefficients.to(rows.dtype), rows))
+            total = None
+            for provisional, start, stop, weights in runs:
+                rows = provisional.gradients[i][start:stop]  # (run, k, *shape)
+                matrix = rows.reshape(len(weights), -1).t()
+                weights = weights.to(rows.dtype)
+                total = torch.mv(matrix, weights) if total is None else total.addmv_(matrix, weights)
+            grads.append(total.view(rows.shape[2:]))
         return grads
+
+
+def _consecutive(rows: list[int]) -> list[tuple[int, int]]:
+    """``rows`` as ``[start, stop)`` runs of consecutive indices, in order."""
+    runs = []
+    for row in rows:
+        if runs and runs[-1][1] == row:
+            runs[-1][1] = row + 1
+        else:
+            runs.append([row, row + 1])
+    return [tuple(run) for run in runs]
