@@ -23,7 +23,7 @@ class ProvisionalRows:
     """One kept call's provisional work, row by row."""
 
     cotangents: torch.Tensor  # (rows, k, *output) the provisional cotangents backpropagated
-    gradients: list[torch.Tensor]  # per trainable parameter: (rows, k, *shape)
+    gradients: list[tuple[torch.Tensor, ...]]  # per trainable parameter, per cotangent: (rows, *shape)
     used: torch.Tensor  # (rows,) bool: served to a call with grad already
 
 
@@ -75,11 +75,12 @@ class Reweight(ReuseSchedule):
                 untouched.append(kept)
                 continue
             grads = [kept.rowwise.backward(kept.key, kept.rows, c.to(kept.output.dtype), per_row=True) for c in basis]
-            # (rows, k, *shape); one basis needs no copy
-            gradients = [g[0].unsqueeze(1) if len(g) == 1 else torch.stack(g, dim=1) for g in zip(*grads)]
-            kept.rows = ProvisionalRows(torch.stack(basis, dim=1), gradients,
+            # Kept as the backward made them: stacking the cotangents' gradients copied every row of every parameter
+            # (full fine-tuning under FlowGRPO's KL: most of the step's time)
+            kept.rows = ProvisionalRows(torch.stack(basis, dim=1), list(zip(*grads)),
                                         torch.zeros(len(kept.output), dtype=torch.bool, device="cpu"))  # host flags
-            nbytes = sum(t.numel() * t.element_size() for t in (kept.rows.cotangents, *kept.rows.gradients))
+            nbytes = sum(t.numel() * t.element_size()
+                         for t in (kept.rows.cotangents, *(g for per_basis in kept.rows.gradients for g in per_basis)))
             engine._count(nbytes - kept.nbytes)
             kept.nbytes = nbytes
         engine.forget(untouched)
@@ -116,17 +117,17 @@ class Reweight(ReuseSchedule):
         runs, offset = [], 0
         for provisional, index, _ in groups:
             for start, stop in _consecutive(index.tolist()):
-                runs.append((provisional, start, stop, coefficients[offset:offset + stop - start].flatten()))
+                runs.append((provisional, start, stop, coefficients[offset:offset + stop - start]))
                 offset += stop - start
         grads = []
         for i in range(len(groups[0][0].gradients)):
             total = None
             for provisional, start, stop, weights in runs:
-                rows = provisional.gradients[i][start:stop]  # (run, k, *shape)
-                matrix = rows.reshape(len(weights), -1).t()
-                weights = weights.to(rows.dtype)
-                total = torch.mv(matrix, weights) if total is None else total.addmv_(matrix, weights)
-            grads.append(total.view(rows.shape[2:]))
+                for basis_rows, basis_weights in zip(provisional.gradients[i], weights.t()):
+                    rows = basis_rows[start:stop]  # (run, *shape)
+                    matrix, vector = rows.reshape(stop - start, -1).t(), basis_weights.to(rows.dtype)
+                    total = torch.mv(matrix, vector) if total is None else total.addmv_(matrix, vector)
+            grads.append(total.view(rows.shape[1:]))
         return grads
 
 
