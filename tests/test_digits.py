@@ -10,7 +10,8 @@ import torch
 
 from leancompile.backbones import Backbone, Conditioning
 from leancompile.tasks import digits
-from leancompile.tasks.rewards import DigitsClassifierReward, JpegCompressibilityReward
+from leancompile.tasks import rewards
+from leancompile.tasks.rewards import DigitsClassifierReward, DigitsJudge, JpegCompressibilityReward
 
 # Measured on the shipped checkpoint: 10-step Euler, no guidance, gives a mean reward well below
 # this, so GRPO has something to improve; guidance 2 classifies almost perfectly.
@@ -85,8 +86,15 @@ def test_unguided_samples_leave_reward_headroom(model, reward):
     assert 0.3 < float(r.mean()) < NO_CFG_REWARD_CEILING
 
 
+def _half_images(part: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """One half of the digits as (N, 1, 8, 8) images in [-1, 1] and their labels."""
+    features, labels = rewards.digits_half(part)
+    return torch.from_numpy(features).float().reshape(-1, *digits.LATENT_SHAPE) * 2 - 1, torch.from_numpy(labels)
+
+
 def test_classifier_reward_on_real_digits(reward):
-    x, y = digits.load_digit_images()
+    # The images the reward's classifier was fit on (the judge's half is held out from it).
+    x, y = _half_images("reward")
     for k in range(10):
         xk = x[y == k][:20]
         r = reward(xk, [k] * len(xk))
@@ -101,6 +109,59 @@ def test_classifier_reward_on_real_digits(reward):
 
 def test_classifier_is_cached():
     assert DigitsClassifierReward().classifier is DigitsClassifierReward().classifier
+    assert DigitsJudge().classifier is DigitsJudge().classifier
+
+
+def _rows(x: np.ndarray) -> set[bytes]:
+    """The rows of ``x`` as a set (exact values: the digits' 0-16 scale divides exactly)."""
+    return {row.tobytes() for row in np.asarray(x, dtype=np.float64)}
+
+
+def test_reward_and_judge_halves_split_the_digits():
+    (x_reward, y_reward), (x_judge, y_judge) = rewards.digits_half("reward"), rewards.digits_half("judge")
+    x, y = digits.load_digit_images()
+    # The halves hold every image once between them, in the classifiers' [0, 1] features.
+    assert len(x_reward) + len(x_judge) == len(x)
+    assert _rows(x_reward) | _rows(x_judge) == _rows(((x.reshape(-1, 64) + 1) / 2).numpy())
+    assert not _rows(x_reward) & _rows(x_judge)
+    # Each half holds every digit about equally often.
+    for labels in (y_reward, y_judge):
+        assert np.bincount(labels, minlength=10).min() >= 0.09 * len(labels)
+    with pytest.raises(ValueError, match="part"):
+        rewards.digits_half("test")
+
+
+def test_judge_never_saw_the_reward_half():
+    x_reward, _ = rewards.digits_half("reward")
+    x_judge, _ = rewards.digits_half("judge")
+    svm = rewards.digits_judge().calibrated_classifiers_[0].estimator
+    assert _rows(svm.support_vectors_) <= _rows(x_judge)
+    assert not _rows(svm.support_vectors_) & _rows(x_reward)
+
+
+def test_judge_and_reward_classify_the_half_they_never_saw():
+    (x_reward, y_reward), (x_judge, y_judge) = rewards.digits_half("reward"), rewards.digits_half("judge")
+    judge, classifier = rewards.digits_judge(), rewards.digits_classifier()
+    assert (judge.predict(x_reward) == y_reward).mean() > 0.9
+    assert (classifier.predict(x_judge) == y_judge).mean() > 0.9
+    # A second opinion, not a copy of the reward's: the two models' probabilities differ.
+    assert np.abs(judge.predict_proba(x_reward) - classifier.predict_proba(x_reward)).max() > 0.1
+
+
+def test_judge_is_deterministic():
+    x_reward, _ = rewards.digits_half("reward")
+    assert np.array_equal(rewards._fit_judge().predict_proba(x_reward), rewards._fit_judge().predict_proba(x_reward))
+
+
+def test_judge_scores_like_a_reward():
+    x, y = _half_images("reward")  # images the judge never saw
+    threes = x[y == 3][:20]
+    judge = DigitsJudge(target=3)
+    proba = judge.predict_proba(threes)
+    assert proba.shape == (20, 10) and np.allclose(proba.sum(axis=1), 1)
+    assert torch.equal(judge(threes), torch.from_numpy(proba[:, 3].astype(np.float32)))
+    assert float(judge(threes).mean()) > 0.8
+    assert float(DigitsJudge(target=5)(threes).mean()) < 0.1
 
 
 def test_jpeg_reward_prefers_constant_images():
