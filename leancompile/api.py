@@ -305,7 +305,6 @@ def _cost_plan(trainer, options: _Options, refusal, linearity):
     scenario = trainer_scenario(trainer, samples, reweight_refusal=refusal, advantage_free=free,
                                 world_size=trainer.sync.world_size,
                                 sharding="fsdp" if trainer.sync.kind == "fsdp" else "ddp",
-                                per_sample_backwards=1,
                                 buffers=reweight_buffers(config, free, samples))
     device = options.device
     if device is None:

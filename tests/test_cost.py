@@ -10,6 +10,7 @@ from benchmarks.measure import interleaved_times, paired_speedup
 from leancompile import backbones, optimize
 from leancompile.cli import main as cli
 from leancompile.cost import DEVICES, get_device, live_device, plan, profile_call, trainer_scenario
+from leancompile.cost.planner import reweight_sample_limit
 from leancompile.cost.measure import LiveSavedTensors, static_bytes
 from leancompile.cost.scenario import reweight_buffers
 from leancompile.cost.profile import _fake_copy, _fake_inputs, _measure_call
@@ -143,6 +144,27 @@ def test_under_fsdp_reweight_holds_the_gathered_weights_and_retain_runs_per_bloc
         assert components[name]["weights"] == components["native"]["weights"] == whole // 2 // 8
     assert components["reweight"]["gradient buffers"] == 4 * whole // 2  # per-sample gradients are whole
     assert cost["auto"].runs == "retain" and cost["auto"].note.endswith("(per block)")
+
+
+def test_the_solved_reweight_boundary_is_where_reweight_stops_fitting():
+    config = FlowGRPOConfig(num_steps=3, group_size=2, train_batch_size=2, sample_batch_size=1,
+                            gradient_accumulation_steps=8, lora_rank=None, beta=0.04)
+    trainer = _trainer(config)
+
+    def cost(samples, budget):
+        s = trainer_scenario(trainer, samples, advantage_free=True, buffers=reweight_buffers(config, True, samples))
+        return s, plan(s, get_device("a100-80gb"), budget)
+
+    scenario, free = cost(4, None)
+    most, per_sample = reweight_sample_limit(scenario, free["reweight"], free["reweight"].peak_bytes)
+    assert most == 4 and per_sample > 0  # its own peak: exactly these samples
+    budget = free["reweight"].peak_bytes + per_sample // 2  # room for half a sample more
+    for samples, fits in ((4, True), (5, False), (3, True)):
+        scenario, planned = cost(samples, budget)
+        assert planned["reweight"].fits is fits
+        assert reweight_sample_limit(scenario, planned["reweight"], budget)[0] == 4
+    # Whole per-sample gradients (two per sample and trained step with the KL term's cotangent) dominate
+    assert per_sample >= 2 * config.num_trained_steps * sum(p.numel() * 4 for p in trainer.trainable)
 
 
 @pytest.mark.timing

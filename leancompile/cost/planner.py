@@ -48,7 +48,6 @@ class Scenario:
     compute_dtype: torch.dtype
     reweight_refusal: str | None = None  # why Reweight cannot run here (None: it can)
     advantage_free: bool = False  # the loss has advantage-free terms: Reweight backpropagates twice
-    per_sample_backwards: int = 1  # backwards per rollout call Reweight needs for per-sample gradients
     buffers: int | None = None  # gradient buffers Reweight holds at its peak (None: one per window sample)
     world_size: int = 1
     sharding: str = "ddp"  # "ddp" replicates weights and optimizer state; "fsdp" shards them
@@ -252,7 +251,7 @@ def plan(s: Scenario, device: Device, budget: int | None = None) -> CostPlan:
             auto = whole
         if auto.runs == "retain":
             auto = replace(auto, note=f"{auto.note} ({'per block' if auto.per_block else 'on the gathered weights'})")
-    limits = _limits(s, g, sum(retain_static.values()), budget)
+    limits = _limits(s, g, sum(retain_static.values()), budget) + _reweight_limit(s, reweight, budget)
     return CostPlan(device.name, budget, (native, retained, reweight, auto), limits)
 
 
@@ -277,7 +276,7 @@ def _reweight(s, g, static, budget, native_s, native_f, fwd_u, bwd_u, device, va
     cfg = s.config
     if s.reweight_refusal is not None:
         return Estimate("reweight", False, 0, (), math.inf, math.inf, note=s.reweight_refusal)
-    backwards = (1 + s.advantage_free) * s.per_sample_backwards
+    backwards = 1 + s.advantage_free  # one per-row backward per provisional cotangent
     buffer = s.trainable_params * s.trainable_bytes  # per-sample gradients are whole, also under FSDP2
     count = s.buffers if s.buffers is not None else g.window_samples * (1 + s.advantage_free)
     trained = g.window_samples * cfg.num_trained_steps
@@ -388,3 +387,23 @@ def _limits(s: Scenario, g, base: int, budget: int) -> tuple[tuple[str, str], ..
              + (f" (memory allows {most})" if most > g.eligible else "")),
             ("tokens per row at which retaining every trained step fits (solved)",
              f"{max(limit, 0)} (now {s.profile.tokens})"))
+
+
+def reweight_sample_limit(s: Scenario, reweight: Estimate, budget: int) -> tuple[int, int]:
+    """The most samples per optimizer step (per rank) whose Reweight buffers fit in ``budget``, and the bytes each
+    sample adds (its gradient buffers and kept outputs; the rest of the peak is taken as fixed, which holds while
+    a rollout call's rows do not grow with the samples)."""
+    components = dict(reweight.components)
+    per_sample = (components["gradient buffers"] + components["kept outputs"]) / s.num_samples
+    fixed = reweight.peak_bytes - per_sample * s.num_samples
+    return max(0, int(math.floor((budget - fixed) / per_sample))), int(per_sample)
+
+
+def _reweight_limit(s: Scenario, reweight: Estimate, budget: int) -> tuple[tuple[str, str], ...]:
+    if s.reweight_refusal is not None:
+        return ()
+    most, per_sample = reweight_sample_limit(s, reweight, budget)
+    detail = "" if most else (f": one sample's buffers take {format_bytes(per_sample)}, "
+                              f"{format_bytes(reweight.peak_bytes - budget + per_sample * (1 - s.num_samples))} "
+                              "beyond the budget")
+    return (("samples per step at which Reweight fits (solved)", f"{most} (now {s.num_samples}){detail}"),)

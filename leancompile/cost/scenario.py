@@ -86,7 +86,6 @@ def model_scenario(name: str, *, trainer: str = "dancegrpo", resolution: int = 1
                     weight_bytes=2, trainable_bytes=4,
                     latent_bytes=math.prod(backbone.latent_shape) * 4,
                     compute_dtype=torch.bfloat16, advantage_free=advantage_free,
-                    per_sample_backwards=1,  # the per-row backward gives every parameter's per-row gradients
                     buffers=buffers, world_size=world_size, sharding=sharding)
 
 
