@@ -11,7 +11,7 @@ from leancompile import backbones, optimize
 from leancompile.cli import main as cli
 from leancompile.cost import DEVICES, get_device, live_device, plan, profile_call, trainer_scenario
 from leancompile.cost.planner import reweight_sample_limit
-from leancompile.cost.measure import LiveSavedTensors, static_bytes
+from saved_memory import LiveSavedTensors, static_bytes
 from leancompile.cost.scenario import reweight_buffers
 from leancompile.cost.profile import _fake_copy, _fake_inputs, _measure_call
 from leancompile.cost.workload import FlopCounter

@@ -184,8 +184,7 @@ class _Geometry:
 def _geometry(s: Scenario) -> _Geometry:
     cfg, n = s.config, s.num_samples
     k = cfg.num_trained_steps
-    eligible = {"first": k, "window": k}.get(cfg.trained_steps,
-                                             cfg.num_steps - 1 if cfg.algorithm == "dancegrpo" else cfg.num_steps)
+    eligible = {"first": k, "window": k}.get(cfg.trained_steps, cfg.counted_steps)
     segments = 2 if cfg.use_cfg else 1
     train_segments = 2 if cfg.use_cfg and cfg.train_cfg else 1
     b_r = min(cfg.sample_batch_size or n, n)

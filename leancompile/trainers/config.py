@@ -116,6 +116,12 @@ class GRPOConfig:
         return tuple(self.sde_window_range) if self.sde_window_range is not None else (0, self.num_steps)
 
     @property
+    def counted_steps(self) -> int:
+        """The denoising steps ``timestep_fraction`` is a fraction of (FlowGRPO: all of them); the planner spreads
+        a ``"random"`` draw's trained steps over these."""
+        return self.num_steps
+
+    @property
     def num_trained_steps(self) -> int:
         """Trained steps per sample: the SDE window, or ``int(num_steps * timestep_fraction)``."""
         if self.trained_steps == "window":
@@ -184,8 +190,12 @@ class DanceGRPOConfig(GRPOConfig):
         return self.eta
 
     @property
+    def counted_steps(self) -> int:
+        """DanceGRPO counts the steps that end above sigma 0."""
+        return max(self.num_steps - 1, 1)
+
+    @property
     def num_trained_steps(self) -> int:
-        # DanceGRPO counts the steps that end above sigma 0: int((num_steps - 1) * timestep_fraction).
         if self.trained_steps == "window":
             return self.sde_window_size
-        return max(int((self.num_steps - 1) * self.timestep_fraction), 1 if self.num_steps == 1 else 0)
+        return max(int(self.counted_steps * self.timestep_fraction), 1 if self.num_steps == 1 else 0)
