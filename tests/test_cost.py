@@ -62,6 +62,7 @@ def test_profiles_multiply_out_block_kinds_exactly(family, depth):
     assert extrapolated.retained_bytes == whole.retained > 0
     assert extrapolated.forward == whole.forward and extrapolated.backward == whole.backward
     assert extrapolated.checkpoint_bytes == whole.checkpoint
+    assert extrapolated.block_retained_bytes == whole.per_block > 0
 
 
 @pytest.mark.parametrize("family, config", [

@@ -4,6 +4,7 @@ Each case trains one GRPO step on two ranks; the reference is the single-process
 data (its prompts and its generators), the gradients averaged, then one optimizer step. Weights and the applied
 gradient must agree to float64 rounding, and every optimizer step must synchronise the gradients exactly once.
 """
+import copy
 import dataclasses
 import os
 
@@ -12,11 +13,13 @@ import torch
 import torch.distributed as dist
 
 from leancompile import optimize
+from leancompile.cost import live_device, plan, trainer_scenario
 from leancompile.trainers import DanceGRPOConfig, FlowGRPOConfig
 from leancompile.trainers.advantages import group_advantages
 from leancompile.trainers.grpo import generator_seeds
 
 from conftest import spawn_ranks
+from saved_memory import LiveSavedTensors, static_bytes
 from test_reweight_equivalence import _build
 
 WORLD = 2
@@ -69,13 +72,30 @@ def _worker(rank, port, cases, out):
         grads = []
         trainer.optimizer.register_step_pre_hook(
             lambda *_: grads.append(_full(trainer, [p.grad for p in trainer.trainable])))
-        stats = trainer.step(case.prompts(rank))
+        tracker = LiveSavedTensors.of(trainer)
+        with tracker.tracking():
+            stats = trainer.step(case.prompts(rank))
         plan = getattr(trainer, "plan", None)
         results[case.name] = dict(stats=stats, weights=_full(trainer, trainer.trainable), grads=grads,
                                   per_block=getattr(trainer.sync, "per_block", False),
-                                  schedule=str(plan.schedule) if plan else "native", choice=plan.choice if plan else "")
+                                  schedule=str(plan.schedule) if plan else "native", choice=plan.choice if plan else "",
+                                  # this rank's peak: static (its shards), autograd's saved tensors, what the engine kept
+                                  peak=static_bytes(trainer) + tracker.peak + stats.get("retained_bytes", 0))
+        if case.name == "fsdp-native":
+            results["predicted"] = _predicted(trainer, len(case.prompts(rank)) * case.config.group_size)
     torch.save(results, os.path.join(out, f"rank{rank}.pt"))
     dist.destroy_process_group()
+
+
+def _predicted(trainer, samples: int) -> dict:
+    """The planner's peak per rank for native and Retain (per block) on this trainer, profiled on the gathered
+    weights as optimize() does."""
+    with trainer.sync.whole_weights(trainer) as (backbone, trainable):
+        view = copy.copy(trainer)
+        view.__dict__.update(backbone=backbone, trainable=trainable)
+        scenario = trainer_scenario(view, samples, world_size=WORLD, sharding="fsdp", advantage_free=True)
+    cost = plan(scenario, live_device("cpu"), 1 << 50)
+    return {name: cost[name].peak_bytes for name in ("native", "retain")}
 
 
 @pytest.fixture(scope="module")
@@ -168,6 +188,15 @@ def test_fsdp_retain_runs_per_block_under_fsdp2s_own_gathers(ranks):
         assert retain["gradient_collectives"] == native["gradient_collectives"]
         assert retain["served_calls"] > 0 and retain["recomputed_calls"] == 0
         assert rank["fsdp-retain"]["per_block"] and not rank["fsdp-reweight"]["per_block"]
+
+
+def test_peak_memory_per_rank_is_within_ten_percent_of_the_planners(ranks):
+    """Under FSDP2 each rank holds its shards, one call's activations and (Retain per block) its kept activations:
+    measured (shard sizes, saved-tensor hooks, the engine's held bytes) against the planner's peak per rank."""
+    for rank in ranks:
+        for name in ("native", "retain"):
+            measured, predicted = rank[f"fsdp-{name}"]["peak"], rank["predicted"][name]
+            assert abs(predicted - measured) <= 0.1 * measured, (name, predicted, measured)
 
 
 def test_bad_data_parallel_settings_name_the_field_and_the_fix():

@@ -25,7 +25,7 @@ import torch
 
 from ..plan import Action, StepAction
 from .devices import Device, GiB
-from .profile import CallProfile
+from .profile import PARTIAL_BUDGETS, CallProfile
 
 # Symbols of the memory model.
 ROWS, TOKENS, STEPS, WORLD = sympy.symbols("rows tokens retained_steps world", positive=True)
@@ -148,10 +148,12 @@ def static_memory(s: Scenario) -> dict[str, sympy.Expr]:
     return {k: sympy.sympify(v) for k, v in parts.items()}
 
 
-def activations_per_row(s: Scenario) -> sympy.Expr:
+def activations_per_row(s: Scenario, per_block: bool = False) -> sympy.Expr:
     """Bytes one row of one retained call keeps, as a function of the tokens (linear: the attention kernels
-    save per-token statistics, not the attention matrix)."""
-    return sympy.Rational(s.profile.retained_bytes, s.profile.tokens) * TOKENS
+    save per-token statistics, not the attention matrix). Per block (runtime.regional): what the blocks' own
+    partitions save."""
+    kept = s.profile.block_retained_bytes if per_block else s.profile.retained_bytes
+    return sympy.Rational(kept, s.profile.tokens) * TOKENS
 
 
 def call_memory(s: Scenario, checkpointing: bool, partition: bool = False) -> sympy.Expr:
@@ -236,21 +238,25 @@ def plan(s: Scenario, device: Device, budget: int | None = None) -> CostPlan:
     saved_s = g.window_calls * fwd_u * (1 + ckpt)
     saved_f = g.window_calls * g.update_rows * flops_f * (1 + ckpt)
     step_bytes = int((g.retained_rows * activations_per_row(s)).subs(values))
-    # Retain's update recomputes as native does after the first optimizer step: the same call in flight.
-    retained = _estimate("retain", retain_static, {"retained activations": g.eligible * step_bytes,
-                                             "activations (one call)": transient},
+    block_step_bytes = int((g.retained_rows * activations_per_row(s, per_block=True)).subs(values))
+    retain_step_bytes = block_step_bytes if per_block else step_bytes
+    # Retain's update recomputes as native does after the first optimizer step: the same call in flight. Before
+    # it every call is served and none holds activations.
+    retained = _estimate("retain", retain_static, {"retained activations": g.eligible * retain_step_bytes,
+                                                   "activations (one call)": transient * (g.optimizer_steps > 1)},
                          budget, native_s - g.eligible * saved_s, native_f - g.eligible * saved_f,
-                         _all(Action.RETAIN, g.eligible), note=f"every trained step keeps {format_bytes(step_bytes)}")
+                         _all(Action.RETAIN, g.eligible),
+                         note=f"every trained step keeps {format_bytes(retain_step_bytes)}")
     reweight = _reweight(s, g, gathered, budget, native_s, native_f, fwd_u, bwd_u, device, values)
-    auto = _auto(s, g, retain_static, budget, native, reweight, step_bytes, transient, saved_s, saved_f, device,
-                 per_block=per_block)
+    auto = _auto(s, g, retain_static, budget, native, reweight, retain_step_bytes, transient, saved_s, saved_f,
+                 device, per_block=per_block)
     if per_block:  # or the partition's checkpoint level on the gathered weights, where that fits and is faster
         whole = _auto(s, g, gathered, budget, native, reweight, step_bytes, transient, saved_s, saved_f, device)
         if whole.fits and (not auto.fits or whole.seconds < auto.seconds):
             auto = whole
         if auto.runs == "retain":
             auto = replace(auto, note=f"{auto.note} ({'per block' if auto.per_block else 'on the gathered weights'})")
-    limits = _limits(s, g, sum(retain_static.values()), budget) + _reweight_limit(s, reweight, budget)
+    limits = _limits(s, g, sum(retain_static.values()), budget, per_block) + _reweight_limit(s, reweight, budget)
     return CostPlan(device.name, budget, (native, retained, reweight, auto), limits)
 
 
@@ -302,14 +308,21 @@ def _auto(s, g, static, budget, native, reweight, step_bytes, transient, saved_s
     (FSDP2): ``retain@f`` keeps a fraction f of the transformer blocks (runtime.regional), and there is no
     checkpoint level (a block keeps all of its activations or none).
 
-    A step retained at fraction f holds ``low + f * (full - low)`` bytes (``low``: what the partition keeps at
-    budget 0, the blocks' inputs) and saves ``ckpt + f`` update forwards (under native checkpointing the update
-    runs its forward twice; the partition recomputes ``1 - f`` of one). Both are linear in f, so the best mix
-    raises every step to f = 0 where that saves time, then fills whole steps to f = 1 while they fit.
+    A step retained at fraction f holds what the partition saves at activation memory budget f (profiled at
+    ``PARTIAL_BUDGETS``; per block, f of the step) and saves ``ckpt + f`` update forwards (under native
+    checkpointing the update runs its forward twice; the partition recomputes ``1 - f`` of one). The best mix
+    raises every step to f = 0 where that saves time, then fills whole steps to f = 1 while they fit, and one
+    step at the largest fraction that fits.
     """
     ckpt = bool(s.config.gradient_checkpointing)
     forward_s, forward_f = saved_s / (1 + ckpt), saved_f / (1 + ckpt)  # one window forward of one step
-    low = int(step_bytes * s.profile.checkpoint_bytes / max(s.profile.retained_bytes, 1)) if ckpt and not per_block else 0
+
+    def held_at(f: float) -> int:
+        if per_block:
+            return int(f * step_bytes)
+        return int(step_bytes * s.profile.retained_by_budget[PARTIAL_BUDGETS.index(f)] / max(s.profile.retained_bytes, 1))
+
+    low = held_at(0.0) if ckpt and not per_block else 0
     room = budget - sum(static.values()) - transient
     offload_s = (1 + ckpt) * forward_s - 2 * step_bytes / device.host_link if device.host_link else -math.inf
     fractions = [None] * g.eligible  # None: recompute
@@ -317,14 +330,16 @@ def _auto(s, g, static, budget, native, reweight, step_bytes, transient, saved_s
         fractions = [0.0] * g.eligible
         room -= g.eligible * low
     for i in range(g.eligible):
-        start = fractions[i] or 0.0
-        cost = (step_bytes - low) * (1 - start) + (low if fractions[i] is None else 0)
-        if cost <= room:
-            fractions[i], room = 1.0, room - cost
+        already = 0 if fractions[i] is None else low
+        if step_bytes - already <= room:
+            fractions[i], room = 1.0, room - (step_bytes - already)
             continue
-        partial = (room - (low if fractions[i] is None else 0)) / max(step_bytes - low, 1)
-        if partial >= _SMALLEST_PARTIAL:
-            fractions[i] = math.floor(partial * 100) / 100
+        if per_block:
+            partial = [math.floor(room / max(step_bytes, 1) * 100) / 100]
+        else:
+            partial = [f for f in PARTIAL_BUDGETS if 0 < f < 1 and held_at(f) - already <= room]
+        if partial and max(partial) >= _SMALLEST_PARTIAL:
+            fractions[i] = max(partial)
             room = 0
         break
     steps, seconds, flops, held = [], native.seconds, native.flops, 0
@@ -343,7 +358,7 @@ def _auto(s, g, static, budget, native, reweight, step_bytes, transient, saved_s
             steps.append(StepAction(len(steps), Action.RETAIN, fraction=f))
             seconds -= gain
             flops -= share * forward_f
-            held += int(low + f * (step_bytes - low))
+            held += held_at(f)
     extra = {"retained activations": held, "activations (one call)": transient}
     mix = None
     if any(a.kind is not Action.RECOMPUTE for a in steps):
@@ -374,9 +389,9 @@ def _all(kind: Action, steps: int) -> tuple[StepAction, ...]:
     return tuple(StepAction(i, kind) for i in range(steps))
 
 
-def _limits(s: Scenario, g, base: int, budget: int) -> tuple[tuple[str, str], ...]:
+def _limits(s: Scenario, g, base: int, budget: int, per_block: bool) -> tuple[tuple[str, str], ...]:
     """Feasibility boundaries of retaining whole steps, solved from the memory model."""
-    held = g.retained_rows * activations_per_row(s)
+    held = g.retained_rows * activations_per_row(s, per_block)
     total = base + call_memory(s, bool(s.config.gradient_checkpointing)).subs(ROWS, g.update_rows) + STEPS * held
     steps = sympy.solve(sympy.Eq(total.subs(TOKENS, s.profile.tokens), budget), STEPS)
     most = int(math.floor(steps[0])) if steps else 0

@@ -60,11 +60,45 @@ def partition_saved_bytes(backbone, x, sigma, cond: Conditioning, memory_budget:
     with without_checkpointing(backbone), functorch_config.patch(activation_memory_budget=memory_budget), \
             contextlib.suppress(_Partitioned):
         compiled(params, buffers, x, sigma, cond.text, cond.pooled)
-    graph = graphs["forward"].graph
-    weights = list(graph.find_nodes(op="placeholder"))[:len(params) + len(buffers)]
+    return _activation_bytes(graphs["forward"].graph, len(params) + len(buffers), outputs=1)
+
+
+def block_saved_bytes(block, args: tuple, kwargs: dict) -> int:
+    """Bytes of the activations a transformer block's own min-cut partition saves for one call, weights excluded,
+    its floating inputs requiring grad: what Retain per block (runtime.regional) keeps of it."""
+    params, buffers, graphs, outputs = dict(block.named_parameters()), dict(block.named_buffers()), {}, []
+    leaves, spec = torch.utils._pytree.tree_flatten((args, kwargs))
+    tensors = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
+
+    def forward(params, buffers, *values):
+        flat = list(leaves)
+        for i, value in zip(tensors, values):
+            flat[i] = value
+        call_args, call_kwargs = torch.utils._pytree.tree_unflatten(flat, spec)
+        out = torch.func.functional_call(block, (params, buffers), call_args, call_kwargs)
+        out = tuple(t for t in torch.utils._pytree.tree_flatten(out)[0] if isinstance(t, torch.Tensor))
+        outputs.append(len(out))
+        return out
+
+    def keep_forward(gm, _):
+        graphs["forward"] = gm
+        raise _Partitioned
+
+    values = [leaves[i].detach().requires_grad_(leaves[i].is_floating_point()) for i in tensors]
+    compiled = aot_function(forward, fw_compiler=keep_forward, partition_fn=min_cut_rematerialization_partition)
+    with contextlib.suppress(_Partitioned):
+        compiled(params, buffers, *values)
+    return _activation_bytes(graphs["forward"].graph, len(params) + len(buffers), outputs[0])
+
+
+def _activation_bytes(graph: torch.fx.Graph, weights: int, outputs: int) -> int:
+    """The saved tensors of a partition's forward graph (its results after the ``outputs`` the function returns)
+    that are not the weights or views of them."""
+    placeholders = list(graph.find_nodes(op="placeholder"))[:weights]
     # A saved transpose of a weight is a view of it, not an activation.
-    resident = {StorageWeakRef(n.meta["val"].untyped_storage()) for n in weights}
-    saved = [n.meta.get("val") for n in graph.find_nodes(op="output")[0].args[0][1:] if isinstance(n, torch.fx.Node)]
+    resident = {StorageWeakRef(n.meta["val"].untyped_storage()) for n in placeholders}
+    results = graph.find_nodes(op="output")[0].args[0][outputs:]
+    saved = [n.meta.get("val") for n in results if isinstance(n, torch.fx.Node)]
     return sum(v.numel() * v.element_size() for v in saved
                if isinstance(v, torch.Tensor) and StorageWeakRef(v.untyped_storage()) not in resident)
 
