@@ -94,7 +94,7 @@ def _predicted(trainer, samples: int) -> dict:
         view = copy.copy(trainer)
         view.__dict__.update(backbone=backbone, trainable=trainable)
         scenario = trainer_scenario(view, samples, world_size=WORLD, sharding="fsdp", advantage_free=True)
-    cost = plan(scenario, live_device("cpu"), 1 << 50)
+        cost = plan(scenario, live_device("cpu"), 1 << 50)
     return {name: cost[name].peak_bytes for name in ("native", "retain")}
 
 

@@ -320,7 +320,7 @@ def _auto(s, g, static, budget, native, reweight, step_bytes, transient, saved_s
     def held_at(f: float) -> int:
         if per_block:
             return int(f * step_bytes)
-        return int(step_bytes * s.profile.retained_by_budget[PARTIAL_BUDGETS.index(f)] / max(s.profile.retained_bytes, 1))
+        return int(step_bytes * s.profile.retained_at(f) / max(s.profile.retained_bytes, 1))
 
     low = held_at(0.0) if ckpt and not per_block else 0
     room = budget - sum(static.values()) - transient

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from dataclasses import dataclass
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -22,7 +24,7 @@ from .saved import SavedBytes, block_saved_bytes, partition_saved_bytes
 from .workload import Workload, WorkloadCounter
 
 
-PARTIAL_BUDGETS = (0.0, 0.1, 0.25, 0.5, 1.0)  # the partial retentions the planner may choose
+PARTIAL_BUDGETS = (0.0, 0.1, 0.25, 0.5, 1.0)  # the activation memory budgets a partial retention may use
 
 
 @dataclass(frozen=True)
@@ -34,12 +36,19 @@ class CallProfile:
     eager_bytes: int  # activations eager autograd saves (the native update's call)
     checkpoint_bytes: int  # what activation checkpointing keeps instead: the blocks' inputs
     block_retained_bytes: int  # what the blocks' own partitions save (Retain per block, runtime.regional)
-    # What the partition saves at each activation memory budget of PARTIAL_BUDGETS (retain@f keeps the partition
-    # at budget f): the min-cut answers in steps, not in proportion (tiny Flux at 0.15 keeps 0.42 of it)
-    retained_by_budget: tuple[int, ...]
     blocks: int  # transformer blocks (checkpointing recomputes one at a time)
     forward: Workload  # forward with grad (the rollout's no-grad forward runs the same operators)
     backward: Workload
+    # Traced when a partial retention is first priced (a whole-call partition per budget)
+    measure_budget: Callable[[float], int] = field(compare=False, repr=False)
+
+    def retained_at(self, budget: float) -> int:
+        """What the partition saves at activation memory budget ``budget`` (one of PARTIAL_BUDGETS): retain@f keeps
+        the partition at budget f, and the min-cut answers in steps, not in proportion (tiny Flux at 0.15 keeps
+        0.42 of it)."""
+        if budget not in PARTIAL_BUDGETS:
+            raise ValueError(f"budget must be one of {PARTIAL_BUDGETS}; got {budget!r}")
+        return self.retained_bytes if budget == 1 else self.measure_budget(budget)
 
 
 def profile_call(backbone, autocast: torch.dtype | None = None, device_type: str = "cpu") -> CallProfile:
@@ -69,13 +78,15 @@ def profile_call(backbone, autocast: torch.dtype | None = None, device_type: str
                 variant = _measure_call(_with_blocks(fake, {**firsts, name: sorted(firsts[name] + [second])}),
                                         args, mode)
                 total = total + (variant - base) * more
-        # The share the partition keeps at each budget, from one block of each kind (the blocks repeat it)
-        with mode:
-            by_budget = tuple(total.retained if b == 1 else
-                              total.retained * _saved_at(smallest, args, b, base.retained) // max(base.retained, 1)
-                              for b in PARTIAL_BUDGETS)
-    return CallProfile(_tokens(fake), total.retained, total.eager, total.checkpoint, total.per_block, by_budget,
-                       blocks, total.forward, total.backward)
+
+    @functools.lru_cache(maxsize=None)
+    def measure_budget(budget: float) -> int:
+        # The share kept at this budget, from one block of each kind (the blocks repeat it)
+        with cast, mode:
+            return total.retained * _saved_at(smallest, args, budget, base.retained) // max(base.retained, 1)
+
+    return CallProfile(_tokens(fake), total.retained, total.eager, total.checkpoint, total.per_block, blocks,
+                       total.forward, total.backward, measure_budget)
 
 
 @dataclass(frozen=True)
@@ -134,6 +145,9 @@ def _fake_copy(backbone, mode: FakeTensorMode, device_type: str):
     clone = copy.deepcopy(backbone, memo=dict(shared))  # new modules, the same tensors: nothing is copied
     converter, device = mode.fake_tensor_converter, torch.device(device_type)
     for module in clone.modules():
+        # Only the computation: a wrapper's hooks (a data-parallel gather) would run whenever the copy is traced
+        module._forward_pre_hooks.clear()
+        module._forward_hooks.clear()
         for store in (module._parameters, module._buffers):
             for name, t in store.items():
                 if t is None:
