@@ -10,10 +10,14 @@ from leancompile import cli, drawing, report
 from leancompile.tasks import synthetic
 from leancompile.passes.meta import CALL, SHARED
 from leancompile.passes.rewrite import REUSED, RETAINED
+from leancompile.runtime import rowwise
 
 
 @pytest.fixture(scope="module")
 def retain():
+    # Traced graphs are shared across backbones of one program (runtime.rowwise): start without those of earlier
+    # tests in this process, so that this trainer's history records the traced-rows pipeline
+    rowwise._TRACES.clear()
     trainer = synthetic.optimized_tiny_trainer("sd3", schedule="retain")
     trainer.step(list(synthetic.TINY_PROMPTS))  # adds the partition graphs
     return trainer
