@@ -5,7 +5,9 @@ import argparse
 import sys
 from pathlib import Path
 
+from .api import REQUESTS
 from .backbones.families import FAMILIES
+from .schedules import estimators
 from .trainers import TRAINERS
 
 
@@ -21,7 +23,7 @@ def main(argv=None) -> int:
                          help="family of the tiny random backbone (default: sd3)")
     explain.add_argument("--trainer", choices=tuple(TRAINERS), default="flowgrpo",
                          help="GRPO algorithm (default: flowgrpo)")
-    explain.add_argument("--schedule", choices=("auto", "retain", "reweight", "native"), default="auto",
+    explain.add_argument("--schedule", choices=REQUESTS, default="auto",
                          help="schedule passed to optimize() (default: auto)")
     explain.add_argument("--cfg", action="store_true", help="train with classifier-free guidance")
     explain.add_argument("--out", default="explain-out", help="output folder (default: explain-out)")
@@ -57,7 +59,7 @@ def _plan_parser(sub) -> None:
     from .backbones.factory import REAL_MODELS
     from .cost.devices import DEVICES
 
-    plan = sub.add_parser("plan", help="predict memory and speedup of native, retain, reweight and auto for a "
+    plan = sub.add_parser("plan", help="predict memory and speedup of native, each schedule and auto for a "
                           "real-size model on a named GPU (nothing is downloaded or allocated)")
     plan.add_argument("--model", choices=REAL_MODELS, required=True)
     plan.add_argument("--gpu", default="h100-80gb", help=f"one of {', '.join(sorted(DEVICES))}, cpu or cuda (the "
@@ -94,7 +96,7 @@ def _plan(args) -> int:
                                     samples=args.samples, guidance_scale=args.cfg, beta=args.kl,
                                     world_size=args.world_size, sharding=args.sharding)
         budget = None if args.budget is None else int(args.budget * devices.GiB)
-        plan = planner.plan(s, device, budget)
+        plan = planner.plan(s, device, budget, estimators=estimators())
     except ValueError as error:
         print(f"leancompile plan: {error}", file=sys.stderr)
         return 2

@@ -74,12 +74,8 @@ def _rows(cells_per_row, header=None) -> str:
 
 
 def _plan_html(plan) -> str:
-    facts = [("schedule", f"{plan.schedule} (requested {plan.requested})"), ("shared backbone", plan.shared),
-             ("reuse", plan.reuse), ("pruned", plan.pruned), ("linearity", plan.linearity),
-             ("buffers", plan.buffers), ("choice", plan.choice)]
-    facts += [("finding", f) for f in plan.findings]
     steps = [(a.step, a.label, a.reason) for a in plan.steps]
-    return _rows(facts) + _rows(steps, header=("step", "action", "reason"))
+    return _rows(plan.facts()) + _rows(steps, header=("step", "action", "reason"))
 
 
 def _history_html(history) -> str:

@@ -24,15 +24,16 @@ from dataclasses import dataclass
 import torch
 
 from .cost.devices import free_memory
-from .plan import Action, StepAction
+from .plan import Action, Schedule, StepAction
 from .runtime.bitwise import BitwiseRetain
 from .runtime.calls import Call
 from .runtime.engine import ReuseEngine
-from .runtime.retain import Retain
 from .runtime.reweight import ProvisionalRows, Reweight
 from .runtime.rowwise import RowwiseBackbone
+from .schedules import SCHEDULES
 
-WRAP_SCHEDULES = ("retain", "offload", "reweight")
+# Every schedule, and Retain keeping its activations in host memory.
+WRAP_SCHEDULES = (*(str(name) for name in SCHEDULES), str(Action.OFFLOAD))
 # Keyword arguments of diffusers transformers shared by every row whatever their length (position ids).
 SHARED_ARGUMENTS = ("img_ids", "txt_ids")
 
@@ -167,9 +168,11 @@ def wrap(module: torch.nn.Module, schedule: str = "retain", memory_limit: int | 
     if bitwise and schedule != "retain":
         raise ValueError(f"bitwise=True keeps eager graphs on the device: it needs schedule='retain', got "
                          f"schedule={schedule!r}")
-    kept = BitwiseRetain() if bitwise else Reweight() if schedule == "reweight" else Retain()
+    action = Action(schedule)
+    runs = Schedule.RETAIN if action is Action.OFFLOAD else Schedule(schedule)
+    kept = BitwiseRetain() if bitwise else SCHEDULES[runs].runtime()
     engine = ReuseEngine(module, kept,
                          {1.0: RowwiseBackbone(module, tune_matmuls=tune_matmuls)}, shared=frozenset(shared))
-    action = StepAction(0, Action(schedule), "a call without grad of the wrapped module that matches no kept call")
+    action = StepAction(0, action, "a call without grad of the wrapped module that matches no kept call")
     engine.admit = _Admission(engine, action, memory_limit)
     return Wrapped(module, engine)

@@ -89,7 +89,7 @@ def test_regrouped_micro_batches_recompute_and_stay_bitwise(case):
 def test_bitwise_refuses_reweight_and_partial_retention():
     config = FlowGRPOConfig(num_steps=2, group_size=2, train_batch_size=1, sample_batch_size=1, dtype="float32")
     plan = optimize(_build("wan", config), schedule="reweight", bitwise=True).plan
-    assert plan.schedule == "retain" and "bitwise=True" in plan.choice
+    assert plan.schedule == "retain" and "bitwise=True" in plan.refusals[0].reason
     assert optimize(_build("wan", config), schedule="retain").plan.exactness.startswith("exact in real arithmetic")
     with pytest.raises(ValueError, match="memory_budget=0.5 with bitwise=True"):
         optimize(_build("wan", config), schedule="retain", memory_budget=0.5, bitwise=True)

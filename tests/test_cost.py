@@ -17,6 +17,7 @@ from leancompile.cost.profile import _fake_copy, _fake_inputs, _measure_call
 from leancompile.cost.workload import FlopCounter
 from leancompile.trainers import DanceGRPOConfig, FlowGRPOConfig
 from leancompile.plan import Action
+from leancompile.schedules import estimators
 
 from conftest import PromptTable, mean_reward
 
@@ -36,7 +37,7 @@ def _cost(trainer, limit=None, samples=None):
     cfg = trainer.config
     samples = samples or len(PROMPTS) * cfg.group_size
     s = trainer_scenario(trainer, samples, buffers=reweight_buffers(cfg, False, samples))
-    return plan(s, live_device("cpu"), limit)
+    return plan(s, live_device("cpu"), limit, estimators=estimators())
 
 
 def test_the_registry_lists_the_vendor_figures_and_the_live_cpu():
@@ -136,7 +137,7 @@ def test_under_fsdp_reweight_holds_the_gathered_weights_and_retain_runs_per_bloc
     and holds what native holds besides its activations; native stays sharded."""
     trainer = _trainer(FlowGRPOConfig(num_steps=3, group_size=2, train_batch_size=4, lora_rank=None))
     scenario = dataclasses.replace(trainer_scenario(trainer, 4), world_size=8, sharding="fsdp")
-    cost = plan(scenario, get_device("a100-80gb"))
+    cost = plan(scenario, get_device("a100-80gb"), estimators=estimators())
     whole = sum(p.numel() * p.element_size() for p in trainer.trainable) * 2  # weights and gradients, all trained
     components = {name: dict(cost[name].components) for name in ("native", "retain", "reweight")}
     assert "gathered (FSDP2)" not in components["native"] and "gathered (FSDP2)" not in components["retain"]
@@ -154,7 +155,7 @@ def test_the_solved_reweight_boundary_is_where_reweight_stops_fitting():
 
     def cost(samples, budget):
         s = trainer_scenario(trainer, samples, advantage_free=True, buffers=reweight_buffers(config, True, samples))
-        return s, plan(s, get_device("a100-80gb"), budget)
+        return s, plan(s, get_device("a100-80gb"), budget, estimators=estimators())
 
     scenario, free = cost(4, None)
     most, per_sample = reweight_sample_limit(scenario, free["reweight"], free["reweight"].peak_bytes)

@@ -5,7 +5,7 @@ import pytest
 from leancompile import backbones, optimize, passes
 from leancompile.passes.meta import CALL, PROVISIONAL, REWRITE
 from leancompile.trainers import FlowGRPOConfig, FlowGRPOTrainer
-from leancompile.plan import Action
+from leancompile.plan import Action, Schedule
 
 from conftest import PromptTable, mean_reward
 from test_passes import SquaredAdvantageTrainer
@@ -70,9 +70,10 @@ def test_the_kl_reference_runs_once_per_trained_sample_and_step_as_in_native(lor
 
 def test_a_loss_non_linear_in_the_advantages_refuses_reweight_and_says_why():
     plan = optimize(_trainer(SquaredAdvantageTrainer), "reweight").plan
-    assert plan.schedule == "retain"
-    assert plan.choice.startswith("Reweight refused: the loss is not affine in the advantages")
-    assert "pow" in plan.choice and plan.choice.endswith("-> Retain")
+    assert plan.schedule is Schedule.RETAIN and not plan.linearity.affine and "pow" in plan.linearity.reason
+    [refusal] = plan.refusals
+    assert refusal.schedule is Schedule.REWEIGHT and refusal.reason.startswith("the loss is not affine")
+    assert plan.choice == f"{refusal} -> retain"
 
 
 class SummedPenaltyTrainer(FlowGRPOTrainer):
@@ -85,7 +86,8 @@ class SummedPenaltyTrainer(FlowGRPOTrainer):
 
 def test_a_loss_summed_over_rows_refuses_reweight():
     plan = optimize(_trainer(SummedPenaltyTrainer), "reweight").plan
-    assert plan.schedule == "retain" and "sums over the micro-batch's rows" in plan.choice
+    assert plan.schedule is Schedule.RETAIN and plan.linearity.affine and not plan.linearity.row_mean
+    assert [r.schedule for r in plan.refusals] == [Schedule.REWEIGHT]
 
 
 @pytest.mark.parametrize("kw", [{}, {"beta": 0.05}, {"lora_rank": None, "sample_batch_size": 2}])

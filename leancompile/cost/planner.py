@@ -18,12 +18,13 @@ they fit, one step partially with what is left, and offloads or recomputes the r
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 
 import sympy
 import torch
 
-from ..plan import Action, StepAction
+from ..plan import Action, Refusal, Schedule, StepAction
 from .devices import Device, GiB
 from .profile import PARTIAL_BUDGETS, CallProfile
 
@@ -31,6 +32,7 @@ from .profile import PARTIAL_BUDGETS, CallProfile
 ROWS, TOKENS, STEPS, WORLD = sympy.symbols("rows tokens retained_steps world", positive=True)
 MARGIN = 0.9  # of the device's free memory: allocator fragmentation and the CUDA context need the rest
 _SMALLEST_PARTIAL = 0.05  # a partial retention below this saves too little of a forward to be worth a compile
+AUTO = "auto"  # the planner's choice, an estimate beside the schedules'
 
 
 @dataclass(frozen=True)
@@ -46,7 +48,7 @@ class Scenario:
     trainable_bytes: int  # per element of a trainable weight, its gradient and each optimizer moment
     latent_bytes: int  # one row's backbone output
     compute_dtype: torch.dtype
-    reweight_refusal: str | None = None  # why Reweight cannot run here (None: it can)
+    refusals: tuple[Refusal, ...] = ()  # the schedules that cannot run here, and why
     advantage_free: bool = False  # the loss has advantage-free terms: Reweight backpropagates twice
     buffers: int | None = None  # gradient buffers Reweight holds at its peak (None: one per window sample)
     world_size: int = 1
@@ -57,14 +59,14 @@ class Scenario:
 class Estimate:
     """A schedule's predicted peak memory and step time."""
 
-    schedule: str  # "native" | "retain" | "reweight" | "auto"
+    schedule: str  # a Schedule's value, or "auto"
     fits: bool
     peak_bytes: int
     components: tuple[tuple[str, int], ...]
     seconds: float
     flops: float
     steps: tuple[StepAction, ...] = ()  # per eligible trained step, by position
-    runs: str = ""  # which program auto runs ("retain" for any mix of retained steps)
+    runs: Schedule = Schedule.NATIVE  # the program it runs (auto: Retain for any mix of retained steps)
     note: str = ""
     per_block: bool = False  # Retain runs per transformer block (FSDP2's own gathers; runtime.regional)
 
@@ -98,7 +100,7 @@ class CostPlan:
                                            # A refused schedule has no time: JSON has no infinity.
                                            "step_seconds": e.seconds if math.isfinite(e.seconds) else None,
                                            "components": dict(e.components),
-                                           "steps": [a.label for a in e.steps], "runs": e.runs or e.schedule,
+                                           "steps": [a.label for a in e.steps], "runs": str(e.runs),
                                            "note": e.note}
                               for e in self.estimates},
                 "limits": dict(self.limits)}
@@ -171,7 +173,7 @@ def call_memory(s: Scenario, checkpointing: bool, partition: bool = False) -> sy
 # --------------------------------------------------------------------------------------------- step geometry
 
 @dataclass(frozen=True)
-class _Geometry:
+class Geometry:
     eligible: int  # denoising steps that may be trained
     rollout_rows: int  # rows of one rollout call (CFG doubles)
     rollout_calls: int  # rollout calls per denoising step
@@ -183,7 +185,7 @@ class _Geometry:
     optimizer_steps: int
 
 
-def _geometry(s: Scenario) -> _Geometry:
+def _geometry(s: Scenario) -> Geometry:
     cfg, n = s.config, s.num_samples
     k = cfg.num_trained_steps
     eligible = {"first": k, "window": k}.get(cfg.trained_steps, cfg.counted_steps)
@@ -193,7 +195,7 @@ def _geometry(s: Scenario) -> _Geometry:
     per_batch = cfg.train_batch_size
     window = min(n, cfg.gradient_accumulation_steps * per_batch)
     share = k / eligible
-    return _Geometry(eligible, segments * b_r, math.ceil(n / b_r), train_segments * per_batch,
+    return Geometry(eligible, segments * b_r, math.ceil(n / b_r), train_segments * per_batch,
                      segments * n * share, window / per_batch * share, window,
                      cfg.num_inner_epochs * n / per_batch * k,
                      cfg.num_inner_epochs * math.ceil(n / (per_batch * cfg.gradient_accumulation_steps)))
@@ -201,15 +203,46 @@ def _geometry(s: Scenario) -> _Geometry:
 
 # ------------------------------------------------------------------------------------------------ the planner
 
-def plan(s: Scenario, device: Device, budget: int | None = None) -> CostPlan:
-    """Predict native, Retain and Reweight, and choose per trained step, on ``device`` within ``budget`` bytes
-    (default: the device's free memory less a margin)."""
+@dataclass(frozen=True)
+class StepModel:
+    """What every schedule's estimate starts from: one GRPO step of a scenario on a device, and native's cost."""
+
+    scenario: Scenario
+    device: Device
+    budget: int
+    geometry: Geometry
+    values: dict  # the memory model's symbols at this scenario (tokens, world size)
+    static: dict[str, int]  # what every schedule holds (weights, gradients, optimizer state, ...)
+    gathered: dict[str, int]  # ``static`` and what a step on the whole weights holds besides (FSDP2)
+    per_block: bool  # Retain runs per transformer block (FSDP2's own gathers; runtime.regional)
+    native: Estimate
+    update_forward: float  # seconds of one update call's forward
+    update_backward: float
+    transient: int  # bytes of the activations of one native update call in flight
+    saved_seconds: float  # what the update saves per trained step when it does not run its forward
+    saved_flops: float
+
+    def estimate(self, name, static, extra, seconds, flops, steps=(), note="") -> Estimate:
+        return _estimate(name, static, extra, self.budget, seconds, flops, steps, note=note)
+
+    def retained_step_bytes(self, per_block: bool) -> int:
+        """What retaining one trained step holds: every row that trains it, whole program or per block."""
+        return int((self.geometry.retained_rows * activations_per_row(self.scenario, per_block)).subs(self.values))
+
+
+Estimator = Callable[[StepModel], Estimate]
+
+
+def plan(s: Scenario, device: Device, budget: int | None = None, *,
+         estimators: Mapping[Schedule, Estimator]) -> CostPlan:
+    """Predict native and each schedule of ``estimators`` (the registry's, :mod:`leancompile.schedules`), and
+    choose per trained step, on ``device`` within ``budget`` bytes (default: the device's free memory less a
+    margin). A schedule the scenario refuses (``Scenario.refusals``) is predicted as not fitting, with the reason."""
     budget = int(device.available * MARGIN) if budget is None else int(budget)
     if budget <= 0:
         raise ValueError(f"budget must be a positive number of bytes; got {budget}")
     g, cfg = _geometry(s), s.config
-    tokens, world = s.profile.tokens, s.world_size
-    values = {TOKENS: tokens, WORLD: world}
+    values = {TOKENS: s.profile.tokens, WORLD: s.world_size}
     static = {k: int(v.subs(values)) for k, v in static_memory(s).items()}
     peak_flops = device.peak_flops(s.compute_dtype)
 
@@ -225,39 +258,44 @@ def plan(s: Scenario, device: Device, budget: int | None = None) -> CostPlan:
     optimizer = g.optimizer_steps * 16 * s.trainable_params * s.trainable_bytes / device.bandwidth
     native_s = cfg.num_steps * g.rollout_calls * fwd_r + g.micro_steps * per_update + optimizer
     native_f = (cfg.num_steps * g.rollout_calls * g.rollout_rows * flops_f
-                + g.micro_steps * g.update_rows * (flops_f * (1 + ckpt + kl) + flops_b))
+                + g.micro_steps * g.update_rows * (flops_f * (1 + kl + ckpt) + flops_b))
     transient = int(call_memory(s, ckpt).subs({ROWS: g.update_rows, **values}))
-    native = _estimate("native", static, {"activations (one call)": transient}, budget, native_s, native_f,
-                       note="the untransformed program")
-    per_block = s.sharding == "fsdp" and s.world_size > 1  # Retain runs per block under FSDP2's own gathers
-    gathered = {**static, **_gathered(s)}  # what a step on the whole weights holds besides native's
-    retain_static = static if per_block else gathered
-
+    native = _estimate(str(Schedule.NATIVE), static, {"activations (one call)": transient}, budget, native_s,
+                       native_f, note="the untransformed program")
     # What one eligible step saves when the update does not run its forward (per window call: the forward and,
     # under checkpointing, its recomputation).
-    saved_s = g.window_calls * fwd_u * (1 + ckpt)
-    saved_f = g.window_calls * g.update_rows * flops_f * (1 + ckpt)
-    step_bytes = int((g.retained_rows * activations_per_row(s)).subs(values))
-    block_step_bytes = int((g.retained_rows * activations_per_row(s, per_block=True)).subs(values))
-    retain_step_bytes = block_step_bytes if per_block else step_bytes
-    # Retain's update recomputes as native does after the first optimizer step: the same call in flight. Before
-    # it every call is served and none holds activations.
-    retained = _estimate("retain", retain_static, {"retained activations": g.eligible * retain_step_bytes,
-                                                   "activations (one call)": transient * (g.optimizer_steps > 1)},
-                         budget, native_s - g.eligible * saved_s, native_f - g.eligible * saved_f,
-                         _all(Action.RETAIN, g.eligible),
-                         note=f"every trained step keeps {format_bytes(retain_step_bytes)}")
-    reweight = _reweight(s, g, gathered, budget, native_s, native_f, fwd_u, bwd_u, device, values)
-    auto = _auto(s, g, retain_static, budget, native, reweight, retain_step_bytes, transient, saved_s, saved_f,
-                 device, per_block=per_block)
-    if per_block:  # or the partition's checkpoint level on the gathered weights, where that fits and is faster
-        whole = _auto(s, g, gathered, budget, native, reweight, step_bytes, transient, saved_s, saved_f, device)
+    model = StepModel(s, device, budget, g, values, static, {**static, **_gathered(s)},
+                      s.sharding == "fsdp" and s.world_size > 1, native, fwd_u, bwd_u, transient,
+                      g.window_calls * fwd_u * (1 + ckpt), g.window_calls * g.update_rows * flops_f * (1 + ckpt))
+    refused = {r.schedule: str(r) for r in s.refusals}
+    estimates = tuple(Estimate(str(name), False, 0, (), math.inf, math.inf, note=refused[name]) if name in refused
+                      else estimate(model) for name, estimate in estimators.items())
+    others = [e for e in estimates if e.schedule != Schedule.RETAIN]
+    auto = _auto(model, others, per_block=model.per_block)
+    if model.per_block:  # or the partition's checkpoint level on the gathered weights, where that fits and is faster
+        whole = _auto(model, others)
         if whole.fits and (not auto.fits or whole.seconds < auto.seconds):
             auto = whole
-        if auto.runs == "retain":
+        if auto.runs is Schedule.RETAIN:
             auto = replace(auto, note=f"{auto.note} ({'per block' if auto.per_block else 'on the gathered weights'})")
-    limits = _limits(s, g, sum(retain_static.values()), budget, per_block) + _reweight_limit(s, reweight, budget)
-    return CostPlan(device.name, budget, (native, retained, reweight, auto), limits)
+    retain_static = static if model.per_block else model.gathered
+    limits = _limits(s, g, sum(retain_static.values()), budget, model.per_block)
+    reweight = next((e for e in estimates if e.schedule == Schedule.REWEIGHT and math.isfinite(e.seconds)), None)
+    if reweight is not None:
+        limits += _reweight_limit(s, reweight, budget)
+    return CostPlan(device.name, budget, (native, *estimates, auto), limits)
+
+
+def estimate_retain(m: StepModel) -> Estimate:
+    """Every trained step keeps its activations. The update recomputes as native does after the first optimizer
+    step: the same call in flight. Before it every call is served and none holds activations."""
+    held = m.retained_step_bytes(m.per_block)
+    eligible = m.geometry.eligible
+    return m.estimate(str(Schedule.RETAIN), m.static if m.per_block else m.gathered,
+                      {"retained activations": eligible * held,
+                       "activations (one call)": m.transient * (m.geometry.optimizer_steps > 1)},
+                      m.native.seconds - eligible * m.saved_seconds, m.native.flops - eligible * m.saved_flops,
+                      _all(Action.RETAIN, eligible), note=f"every trained step keeps {format_bytes(held)}")
 
 
 def _gathered(s: Scenario) -> dict[str, int]:
@@ -270,17 +308,17 @@ def _gathered(s: Scenario) -> dict[str, int]:
     return {"gathered (FSDP2)": whole - whole // s.world_size}
 
 
-def _estimate(name, static, extra, budget, seconds, flops, steps=(), runs="", note="") -> Estimate:
+def _estimate(name, static, extra, budget, seconds, flops, steps=(), runs=None, note="") -> Estimate:
     components = {**static, **{k: int(v) for k, v in extra.items()}}
     peak = sum(components.values())
     return Estimate(name, peak <= budget, peak, tuple(components.items()), float(seconds), float(flops), steps,
-                    runs, note)
+                    Schedule(name) if runs is None else runs, note)
 
 
-def _reweight(s, g, static, budget, native_s, native_f, fwd_u, bwd_u, device, values) -> Estimate:
-    cfg = s.config
-    if s.reweight_refusal is not None:
-        return Estimate("reweight", False, 0, (), math.inf, math.inf, note=s.reweight_refusal)
+def estimate_reweight(m: StepModel) -> Estimate:
+    """Gradient buffers instead of activations: the update's forward and backward move into the rollout, the
+    backward once per provisional cotangent."""
+    s, g, cfg = m.scenario, m.geometry, m.scenario.config
     backwards = 1 + s.advantage_free  # one per-row backward per provisional cotangent
     buffer = s.trainable_params * s.trainable_bytes  # per-sample gradients are whole, also under FSDP2
     count = s.buffers if s.buffers is not None else g.window_samples * (1 + s.advantage_free)
@@ -289,24 +327,25 @@ def _reweight(s, g, static, budget, native_s, native_f, fwd_u, bwd_u, device, va
     kept = 2 * trained * (segments + (cfg.beta > 0)) * s.latent_bytes
     # Per window call: the update's forward and backward move into the rollout, the backward `backwards` times;
     # each (sample, step) adds its gradient into a buffer (read, add, write) and the correction reads them all.
-    per_step = g.window_calls * (fwd_u * (1 + cfg.gradient_checkpointing) + bwd_u * (1 - backwards))
-    traffic = (3 * trained + 2 * count) * buffer / device.bandwidth
+    per_step = g.window_calls * (m.update_forward * (1 + cfg.gradient_checkpointing)
+                                 + m.update_backward * (1 - backwards))
+    traffic = (3 * trained + 2 * count) * buffer / m.device.bandwidth
     # A KL term's reference forward moves into the rollout's first loss head; the others read its kept velocity.
-    flops = native_f - g.eligible * g.window_calls * g.update_rows * (
+    flops = m.native.flops - g.eligible * g.window_calls * g.update_rows * (
         s.profile.forward.total_flops * (1 + cfg.gradient_checkpointing)
         + s.profile.backward.total_flops * (1 - backwards))
-    transient = int(call_memory(s, False, partition=True).subs({ROWS: g.rollout_rows, **values}))
-    return _estimate("reweight", static, {"gradient buffers": count * buffer, "kept outputs": kept,
-                                          "activations (one call)": transient}, budget,
-                     native_s - g.eligible * per_step + traffic, flops, _all(Action.REWEIGHT, g.eligible),
-                     note=f"{count} gradient buffers of {format_bytes(buffer)}")
+    transient = int(call_memory(s, False, partition=True).subs({ROWS: g.rollout_rows, **m.values}))
+    return m.estimate(str(Schedule.REWEIGHT), m.gathered, {"gradient buffers": count * buffer, "kept outputs": kept,
+                                                           "activations (one call)": transient},
+                      m.native.seconds - g.eligible * per_step + traffic, flops, _all(Action.REWEIGHT, g.eligible),
+                      note=f"{count} gradient buffers of {format_bytes(buffer)}")
 
 
-def _auto(s, g, static, budget, native, reweight, step_bytes, transient, saved_s, saved_f, device,
-          per_block: bool = False) -> Estimate:
-    """The best per-step mix of retain / retain@f / offload / recompute, or Reweight, or native. ``per_block``
-    (FSDP2): ``retain@f`` keeps a fraction f of the transformer blocks (runtime.regional), and there is no
-    checkpoint level (a block keeps all of its activations or none).
+def _auto(m: StepModel, others: list[Estimate], per_block: bool = False) -> Estimate:
+    """The best per-step mix of retain / retain@f / offload / recompute, or another schedule's estimate, or
+    native. ``per_block`` (FSDP2): ``retain@f`` keeps a fraction f of the transformer blocks (runtime.regional),
+    and there is no checkpoint level (a block keeps all of its activations or none); otherwise the mix runs on
+    ``m.gathered``, the weights a whole-call partition runs on.
 
     A step retained at fraction f holds what the partition saves at activation memory budget f (profiled at
     ``PARTIAL_BUDGETS``; per block, f of the step) and saves ``ckpt + f`` update forwards (under native
@@ -314,8 +353,11 @@ def _auto(s, g, static, budget, native, reweight, step_bytes, transient, saved_s
     raises every step to f = 0 where that saves time, then fills whole steps to f = 1 while they fit, and one
     step at the largest fraction that fits.
     """
+    s, g, native, device = m.scenario, m.geometry, m.native, m.device
+    static = m.static if per_block else m.gathered
+    step_bytes = m.retained_step_bytes(per_block)
     ckpt = bool(s.config.gradient_checkpointing)
-    forward_s, forward_f = saved_s / (1 + ckpt), saved_f / (1 + ckpt)  # one window forward of one step
+    forward_s, forward_f = m.saved_seconds / (1 + ckpt), m.saved_flops / (1 + ckpt)  # one window forward of a step
 
     def held_at(f: float) -> int:
         if per_block:
@@ -323,7 +365,7 @@ def _auto(s, g, static, budget, native, reweight, step_bytes, transient, saved_s
         return int(step_bytes * s.profile.retained_at(f) / max(s.profile.retained_bytes, 1))
 
     low = held_at(0.0) if ckpt and not per_block else 0
-    room = budget - sum(static.values()) - transient
+    room = m.budget - sum(static.values()) - m.transient
     offload_s = (1 + ckpt) * forward_s - 2 * step_bytes / device.host_link if device.host_link else -math.inf
     fractions = [None] * g.eligible  # None: recompute
     if ckpt and g.eligible * low <= room and not per_block:
@@ -335,11 +377,12 @@ def _auto(s, g, static, budget, native, reweight, step_bytes, transient, saved_s
             fractions[i], room = 1.0, room - (step_bytes - already)
             continue
         if per_block:
-            partial = [math.floor(room / max(step_bytes, 1) * 100) / 100]
-        else:
-            partial = [f for f in PARTIAL_BUDGETS if 0 < f < 1 and held_at(f) - already <= room]
-        if partial and max(partial) >= _SMALLEST_PARTIAL:
-            fractions[i] = max(partial)
+            partial = math.floor(room / max(step_bytes, 1) * 100) / 100
+        else:  # the largest profiled budget that fits
+            partial = next((f for f in sorted(PARTIAL_BUDGETS, reverse=True)
+                            if 0 < f < 1 and held_at(f) - already <= room), 0.0)
+        if partial >= _SMALLEST_PARTIAL:
+            fractions[i] = partial
             room = 0
         break
     steps, seconds, flops, held = [], native.seconds, native.flops, 0
@@ -359,22 +402,19 @@ def _auto(s, g, static, budget, native, reweight, step_bytes, transient, saved_s
             seconds -= gain
             flops -= share * forward_f
             held += held_at(f)
-    extra = {"retained activations": held, "activations (one call)": transient}
+    extra = {"retained activations": held, "activations (one call)": m.transient}
     mix = None
     if any(a.kind is not Action.RECOMPUTE for a in steps):
-        mix = replace(_estimate("auto", static, extra, budget, seconds, flops, tuple(steps), "retain",
+        mix = replace(_estimate(AUTO, static, extra, m.budget, seconds, flops, tuple(steps), Schedule.RETAIN,
                                 note=describe_steps(steps)), per_block=per_block)
-    options = [e for e in (mix, reweight) if e is not None and e.fits] + [native]
-    best = min(options, key=lambda e: e.seconds)
+    best = min([e for e in (mix, *others) if e is not None and e.fits] + [native], key=lambda e: e.seconds)
     if best is native:
         why = "nothing fits" if not native.fits else "no reuse fits or is faster"
-        return Estimate("auto", native.fits, native.peak_bytes, native.components, native.seconds, native.flops,
-                        _all(Action.RECOMPUTE, g.eligible), "native", f"native: {why}")
-    if best is reweight:
-        return Estimate("auto", True, reweight.peak_bytes, reweight.components, reweight.seconds, reweight.flops,
-                        reweight.steps, "reweight", "reweight: " + reweight.note
-                        + ("" if mix is None or not mix.fits else f"; faster than {mix.note}"))
-    return mix
+        return replace(native, schedule=AUTO, steps=_all(Action.RECOMPUTE, g.eligible), note=f"native: {why}")
+    if best is mix:
+        return mix
+    return replace(best, schedule=AUTO, note=f"{best.schedule}: {best.note}"
+                   + ("" if mix is None or not mix.fits else f"; faster than {mix.note}"))
 
 
 def describe_steps(steps) -> str:
@@ -414,8 +454,6 @@ def reweight_sample_limit(s: Scenario, reweight: Estimate, budget: int) -> tuple
 
 
 def _reweight_limit(s: Scenario, reweight: Estimate, budget: int) -> tuple[tuple[str, str], ...]:
-    if s.reweight_refusal is not None:
-        return ()
     most, per_sample = reweight_sample_limit(s, reweight, budget)
     detail = "" if most else (f": one sample's buffers take {format_bytes(per_sample)}, "
                               f"{format_bytes(reweight.peak_bytes - budget + per_sample * (1 - s.num_samples))} "

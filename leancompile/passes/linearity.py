@@ -15,10 +15,10 @@ After:  ``Linearity(affine=True, ties=("maximum",), advantage_free=("mul_131",))
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 
 import torch.fx as fx
 
+from ..plan import Linearity
 from .backbone import _ROW_OPS
 from .graph import ancestors, op_name
 from .meta import INPUT, LINEARITY
@@ -27,15 +27,6 @@ _LINEAR_UNARY = _ROW_OPS | {"neg.default", "mean.default", "mean.dim", "sum.defa
 _ADDITIVE = {"add.Tensor", "sub.Tensor"}
 _SCALING = {"mul.Tensor", "mul.Scalar", "div.Tensor", "div.Scalar"}
 _TIES = {"maximum.default", "minimum.default"}
-
-
-@dataclass(frozen=True)
-class Linearity:
-    affine: bool
-    reason: str | None  # why not, naming the node and op
-    ties: tuple[str, ...]  # max/min nodes proven to tie at ratio == 1
-    advantage_free: tuple[str, ...]  # summands of the loss that do not depend on the advantages
-    row_mean: bool = True  # the advantages reach the loss through means only (a sum over rows would not be)
 
 
 def _clamp_ratio(node) -> tuple[fx.Node, float, float] | None:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch.fx as fx
 
+from ..plan import Finding
 from .backbone import backbone_calls
 from .graph import op_packet
 from .meta import CALL, FINDING
@@ -26,13 +27,6 @@ _RANDOM_OPS = {"native_dropout", "bernoulli", "rand", "randn", "rand_like", "ran
 def _op_name(node: fx.Node) -> str:
     """The op's name without overload or in-place suffix: ``bernoulli_.float`` -> ``bernoulli``."""
     return op_packet(node).rstrip("_")
-
-
-@dataclass(frozen=True)
-class Finding:
-    kind: str  # "mode" | "rng" | "numerics"
-    message: str
-    refuses: bool
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,258 @@
+"""The schedules leancompile runs, one record each: when it applies, what it costs, and what runs it.
+
+``optimize`` reads only this registry: a schedule's ``refusal`` says why it cannot give native's gradient for a
+trainer (the analyses' records in hand), its ``estimate`` is the cost planner's prediction of its step
+(:mod:`leancompile.cost.planner`), and its ``build`` makes the per-step actions, the graphs to inspect and the
+engine that runs it (:mod:`leancompile.runtime`). A refused schedule falls back to its ``fallback``.
+
+A new schedule takes three files: its member of :class:`~leancompile.plan.Schedule`, its runtime (a
+:class:`~leancompile.runtime.engine.ReuseSchedule`: what a kept call keeps per row, and how a served call's
+backward turns its cotangent into gradients), and its :class:`ScheduleSpec` in ``SCHEDULES`` below.
+"""
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from . import passes
+from .cost.planner import Estimate, Estimator, StepModel, estimate_retain, estimate_reweight
+from .plan import Action, Linearity, Refusal, Schedule, StepAction
+from .runtime.bitwise import BitwiseRetain
+from .runtime.engine import ReuseEngine, ReuseSchedule
+from .runtime.regional import RegionalEngine
+from .runtime.retain import Retain
+from .runtime.reweight import Reweight
+from .runtime.rowwise import RowwiseBackbone
+
+
+@dataclass(frozen=True)
+class Request:
+    """What the caller of ``optimize`` asked for."""
+
+    schedule: str  # "auto" or a Schedule's value
+    memory_budget: float | None = None  # the fraction of the saved activations a Retain partition may keep
+    strict: bool = False
+    memory_limit: int | None = None  # bytes the auto planner may use
+    samples_per_step: int | None = None
+    device: object = None  # the device the auto planner plans for
+    per_block: bool | None = None  # how the runtime runs Retain (see optimize)
+    tune_matmuls: bool = True
+    bitwise: bool = False
+
+
+@dataclass(frozen=True)
+class Analyses:
+    """What the passes found about a trainer's programs: what a schedule's refusal and build read."""
+
+    trainer: object  # the trainer on the weights a rewritten step runs on
+    programs: object  # passes.Programs: the traced rollout and update
+    shared: object  # passes.SharedBackbone: the update's call that recomputes a rollout call
+    linearity: Linearity
+    request: Request
+    history: passes.PassHistory
+    cost: object = None  # the planner's CostPlan, when auto chose
+
+    @property
+    def pair(self) -> tuple[int, int]:
+        return self.shared.pairs[0]
+
+
+@dataclass(frozen=True)
+class Built:
+    """What a schedule's build gives ``optimize``: the plan's per-step actions and details, the graphs to
+    inspect, and the engine that runs the step."""
+
+    steps: tuple[StepAction, ...]
+    graphs: dict
+    engine: ReuseEngine
+    exactness: str
+    pruned: tuple[int, ...] = ()  # segments of the batch gradient-need pruning keeps nothing for
+    buffers: str = "none"  # how the schedule holds what it keeps until the update, and why
+    runs: str = ""  # how the runtime runs it, added to the plan's choice
+
+
+@dataclass(frozen=True)
+class ScheduleSpec:
+    """One schedule."""
+
+    schedule: Schedule
+    summary: str  # what it does, in one line
+    refusal: Callable[[Analyses], str | None]  # why it cannot give native's gradient here (None: it can)
+    estimate: Estimator  # the planner's prediction of its step
+    build: Callable[[Analyses, tuple[StepAction, ...]], Built]  # given the planner's actions per trained step
+    runtime: Callable[..., ReuseSchedule]  # what kept calls keep and how served calls' backwards run
+    fallback: Schedule = Schedule.NATIVE  # what runs where it is refused
+
+
+# ----------------------------------------------------------------------------------------------------- Retain
+
+def _retain_refusal(analyses: Analyses) -> str | None:
+    return None  # every verified shared call can keep its activations
+
+
+def _build_retain(a: Analyses, planned: tuple[StepAction, ...]) -> Built:
+    request, history, programs = a.request, a.history, a.programs
+    layout = a.shared.layout
+    need = history.analyse("prune_gradient_need", "update", passes.prune_gradient_need, programs.update, a.pair[0],
+                           layout.segments, found=lambda n: f"pruned segments {list(n.pruned)}")
+    rewritten = history.analyse("rewrite_for_retain", "rollout + update", passes.rewrite_for_retain,
+                                programs.rollout, programs.update, a.pair,
+                                found=lambda r: f"inserted {', '.join(r.inserted)}; removed {len(r.removed)}")
+    graphs = {"rollout": rewritten.rollout, "update": rewritten.update,
+              "rollout_traced": programs.rollout, "update_traced": programs.update}
+    partial = request.memory_budget is not None and request.memory_budget < 1
+    if request.bitwise:  # the eager graph is kept whole or not at all
+        planned = tuple(s if s.kind is Action.RECOMPUTE or (s.kind is Action.RETAIN and s.fraction == 1)
+                        else StepAction(s.step, Action.RECOMPUTE) for s in planned)
+    steps = plan_steps(a.trainer.config, StepAction(0, Action.RETAIN, fraction=request.memory_budget if partial
+                                                                                  else 1.0), planned)
+    if request.bitwise:
+        # The eager graph is kept whole: nothing pruned.
+        return Built(steps, graphs, _engine(a.trainer, BitwiseRetain(), steps, request, history), EXACTNESS_BITWISE)
+    per_block = request.per_block
+    if per_block is None:  # under FSDP2 per block, unless the plan keeps part of the partition on gathered weights
+        per_block = a.trainer.sync.kind == "fsdp" and (a.cost["auto"].per_block if a.cost is not None
+                                                       else not partial)
+    runs = ""
+    if per_block:
+        runs = "run per transformer block (runtime.regional)"
+        if any(s.fraction < 1 for s in steps if s.keeps):
+            runs += ", a step retained at a fraction keeping that fraction of the blocks"
+    kept = Retain(layout.segments, need.pruned)
+    return Built(steps, graphs, _engine(a.trainer, kept, steps, request, history, per_block),
+                 EXACTNESS[Schedule.RETAIN], pruned=tuple(need.pruned), runs=runs)
+
+
+# --------------------------------------------------------------------------------------------------- Reweight
+
+def _reweight_refusal(a: Analyses) -> str | None:
+    """Why Reweight cannot give the native gradient here (None if it can)."""
+    linearity = a.linearity
+    if a.request.bitwise:
+        return "bitwise=True, and its gradient is a combination of provisional gradients"
+    if not linearity.affine:
+        return f"the loss is not affine in the advantages ({linearity.reason})"
+    if not linearity.row_mean:
+        return "the loss sums over the micro-batch's rows; Reweight reads a mean"
+    if a.shared.numerics_only:
+        return "the update's numerics differ from the rollout's (casts or kernels), so ratio != 1"
+    return None
+
+
+def _build_reweight(a: Analyses, planned: tuple[StepAction, ...]) -> Built:
+    # Traced on first access: a second trace of the backbone, forward and backward, that only inspection reads.
+    graphs = Graphs(rollout=functools.partial(passes.capture_provisional, a.trainer), update=a.programs.update,
+                    rollout_traced=a.programs.rollout)
+    steps = plan_steps(a.trainer.config, StepAction(0, Action.REWEIGHT))
+    kept = Reweight(bool(a.linearity.advantage_free))
+    return Built(steps, graphs, _engine(a.trainer, kept, steps, a.request, a.history), EXACTNESS[Schedule.REWEIGHT],
+                 buffers=("one provisional gradient per kept row and trained step (per basis cotangent: the policy "
+                          "term, and the advantage-free terms where the loss has them), each used by at most one "
+                          "call with grad"))
+
+
+SCHEDULES: dict[Schedule, ScheduleSpec] = {spec.schedule: spec for spec in (
+    ScheduleSpec(Schedule.RETAIN, "keep the rollout's activations for the update's backward",
+                 _retain_refusal, estimate_retain, _build_retain, Retain),
+    ScheduleSpec(Schedule.REWEIGHT, "backpropagate during the rollout at provisional advantages and correct once "
+                 "the advantages are known", _reweight_refusal, estimate_reweight, _build_reweight, Reweight,
+                 fallback=Schedule.RETAIN),
+)}
+
+
+def estimators() -> dict[Schedule, Callable[[StepModel], Estimate]]:
+    """Every schedule's cost estimate, for the planner."""
+    return {name: spec.estimate for name, spec in SCHEDULES.items()}
+
+
+def refusals(analyses: Analyses) -> tuple[Refusal, ...]:
+    """The schedules that cannot run for ``analyses``, and why."""
+    found = (Refusal(name, spec.refusal(analyses)) for name, spec in SCHEDULES.items())
+    return tuple(r for r in found if r.reason is not None)
+
+
+# ----------------------------------------------------------------------------------------- what builds share
+
+EXACTNESS = {
+    Schedule.NATIVE: "native: the trainer's own program",
+    Schedule.RETAIN: ("exact in real arithmetic, float64 within rounding: the per-row program rounds differently "
+                      "from native's eager kernels, so a float32 or bf16 run drifts from native's (bitwise=True "
+                      "keeps its bits)"),
+    Schedule.REWEIGHT: ("exact in real arithmetic, float64 within rounding: the gradient is a combination of "
+                        "provisional gradients, rounded differently from native's backward"),
+}
+EXACTNESS_BITWISE = ("bitwise native (bitwise=True): both phases run the module's own eager kernels, and a call is "
+                     "served only where its batch is a kept call's, so rollouts, gradients and weights are native's "
+                     "to the bit in any precision")
+
+
+class Graphs(dict):
+    """The optimized trainer's graphs by name. An entry may be a function that traces it, called on first read."""
+
+    def __getitem__(self, name):
+        value = super().__getitem__(name)
+        if not isinstance(value, torch.fx.GraphModule):
+            value = value()
+            super().__setitem__(name, value)
+        return value
+
+    def get(self, name, default=None):
+        return self[name] if name in self else default
+
+    def items(self):
+        return [(name, self[name]) for name in self]
+
+    def values(self):
+        return [self[name] for name in self]
+
+
+def _engine(trainer, schedule: ReuseSchedule, steps, request: Request, history: passes.PassHistory,
+            per_block: bool = False):
+    """The engine for ``trainer``'s backbone: one per-row backbone per activation budget the plan uses, or with
+    ``per_block`` (Retain) one engine per transformer block (FSDP2's own gathers kept, see runtime.regional)."""
+    if per_block:
+        backbone = trainer.backbone
+        if trainer.sync.kind == "fsdp":
+            trainer.sync.per_block = True
+            # Back to the shards first: the engines read each block's parameters now, and must see the shards the
+            # optimizer updates (their versions), not the gathered copies the analyses ran on (``trainer`` may be
+            # the view on those: the sharded backbone is the sync's).
+            trainer.sync.release()
+            backbone = trainer.sync.root
+        blocks = [block for _, stack in backbone.block_stacks() for block in stack]
+        return RegionalEngine(backbone, blocks, lambda: Retain(schedule.segments, schedule.pruned),
+                              request.tune_matmuls, history, shared=backbone.spec.block_shared)
+    fractions = {s.fraction for s in steps if s.keeps} | {1.0}
+    rowwise = {f: RowwiseBackbone(trainer.backbone, f, tune_matmuls=request.tune_matmuls, history=history)
+               for f in sorted(fractions)}
+    return ReuseEngine(trainer.backbone, schedule, rowwise, sync=trainer.sync)
+
+
+_HOW = {Action.RETAIN: "the rollout keeps its activations for the update's calls",
+        Action.REWEIGHT: "the rollout backpropagates it at provisional advantages; the update's calls add the "
+                         "combination their cotangents call for",
+        Action.OFFLOAD: "the rollout keeps its activations in host memory for the update's calls",
+        Action.RECOMPUTE: "retaining it does not fit the memory budget: the update recomputes it"}
+_TRAINED = {"first": "trained by every sample", "random": "trained by the samples that draw it",
+            "window": "trained when inside the SDE window"}
+
+
+def plan_steps(config, default: StepAction, planned: tuple[StepAction, ...] = ()) -> tuple[StepAction, ...]:
+    """Per denoising step; ``planned`` is the planner's action per trained step, by position, ``default`` the
+    action of the others."""
+    steps, position = [], 0
+    for i in range(config.num_steps):
+        if config.trained_steps == "first" and i >= config.num_trained_steps:
+            steps.append(StepAction(i, Action.NO_GRAD, "never trained: the rollout runs it without grad"))
+            continue
+        this = planned[position] if position < len(planned) else default
+        position += 1
+        reason = (f"the rollout keeps a fraction {this.fraction:.2f} of its activations, the backward recomputes the "
+                  "rest") if this.fraction < 1 else _HOW[this.kind]
+        if this.kind is not Action.RECOMPUTE:
+            reason += ", served to each call verified to recompute it"
+        steps.append(StepAction(i, this.kind, f"{_TRAINED[config.trained_steps]}: {reason}", this.fraction))
+    return tuple(steps)
