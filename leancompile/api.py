@@ -39,9 +39,11 @@ def optimize(trainer, schedule: str = "auto", memory_budget: float | None = None
         trainer: an object satisfying the trainer protocol (:mod:`leancompile.protocol`), e.g. a native
             ``FlowGRPOTrainer`` or ``DanceGRPOTrainer``. The result shares its weights, optimizer and generators.
         schedule: ``"auto"`` (the fastest valid schedule), ``"retain"`` (keep the rollout's activations for the
-            update's backward), ``"reweight"`` (backpropagate during the rollout with a provisional advantage and
-            correct once the advantages are known), or ``"native"`` (the untransformed program). Where the
-            requested schedule is not valid the plan falls back (Reweight to Retain, Retain to native) and says why.
+            update's backward), ``"offload"`` (keep them in host memory), ``"reweight"`` (backpropagate during the
+            rollout with a provisional advantage and correct once the advantages are known), or ``"native"`` (the
+            untransformed program); the schedules are :mod:`leancompile.schedules`' registry. Where the requested
+            schedule is not valid the plan falls back (Reweight and Offload to Retain, Retain to native) and says
+            why.
         memory_budget: the fraction [0, 1] of the backbone's saved activations a Retain partition may keep; below
             1 the min-cut partitioner recomputes the rest in the backward.
         strict: refuse reuse when the rollout's numerics differ from the update's (precision or casts).
@@ -166,7 +168,7 @@ def _compile(trainer, programs, request: Request, history: passes.PassHistory):
         auto = cost[AUTO]
         choice = (f"auto: planned on {cost.device} within {cost_planner.format_bytes(cost.budget)}: {auto.note}; "
                   "predicted " + ", ".join(f"{e.schedule} {cost.speedup(e.schedule):.2f}x"
-                                           + ("" if e.fits else " (does not fit)") for e in cost.estimates[:3]))
+                                           + ("" if e.fits else " (does not fit)") for e in cost.estimates[:-1]))
         if auto.runs is Schedule.NATIVE:
             return _native_plan(config, requested, choice, **found), graphs, None
         chosen, planned = auto.runs, auto.steps

@@ -10,6 +10,7 @@ class Schedule(str, enum.Enum):
 
     RETAIN = "retain"  # the rollout keeps the trained steps' activations for the update's backward
     REWEIGHT = "reweight"  # the rollout backpropagates provisional gradients; the update combines them
+    OFFLOAD = "offload"  # as RETAIN, the activations waiting in host memory
     NATIVE = "native"  # the trainer's own program
 
     def __str__(self) -> str:

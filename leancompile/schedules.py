@@ -12,13 +12,14 @@ backward turns its cotangent into gradients), and its :class:`ScheduleSpec` in `
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from . import passes
-from .cost.planner import Estimate, Estimator, StepModel, estimate_retain, estimate_reweight
+from .cost.planner import Estimate, Estimator, StepModel, all_steps, estimate_retain, estimate_reweight, format_bytes
 from .plan import Action, Linearity, Refusal, Schedule, StepAction
 from .runtime.bitwise import BitwiseRetain
 from .runtime.engine import ReuseEngine, ReuseSchedule
@@ -93,7 +94,7 @@ def _retain_refusal(analyses: Analyses) -> str | None:
     return None  # every verified shared call can keep its activations
 
 
-def _build_retain(a: Analyses, planned: tuple[StepAction, ...]) -> Built:
+def _build_retain(a: Analyses, planned: tuple[StepAction, ...], kind: Action = Action.RETAIN) -> Built:
     request, history, programs = a.request, a.history, a.programs
     layout = a.shared.layout
     need = history.analyse("prune_gradient_need", "update", passes.prune_gradient_need, programs.update, a.pair[0],
@@ -107,8 +108,8 @@ def _build_retain(a: Analyses, planned: tuple[StepAction, ...]) -> Built:
     if request.bitwise:  # the eager graph is kept whole or not at all
         planned = tuple(s if s.kind is Action.RECOMPUTE or (s.kind is Action.RETAIN and s.fraction == 1)
                         else StepAction(s.step, Action.RECOMPUTE) for s in planned)
-    steps = plan_steps(a.trainer.config, StepAction(0, Action.RETAIN, fraction=request.memory_budget if partial
-                                                                                  else 1.0), planned)
+    steps = plan_steps(a.trainer.config, StepAction(0, kind, fraction=request.memory_budget if partial else 1.0),
+                       planned)
     if request.bitwise:
         # The eager graph is kept whole: nothing pruned.
         return Built(steps, graphs, _engine(a.trainer, BitwiseRetain(), steps, request, history), EXACTNESS_BITWISE)
@@ -124,6 +125,32 @@ def _build_retain(a: Analyses, planned: tuple[StepAction, ...]) -> Built:
     kept = Retain(layout.segments, need.pruned)
     return Built(steps, graphs, _engine(a.trainer, kept, steps, request, history, per_block),
                  EXACTNESS[Schedule.RETAIN], pruned=tuple(need.pruned), runs=runs)
+
+
+# ---------------------------------------------------------------------------------------------------- Offload
+
+def _offload_refusal(a: Analyses) -> str | None:
+    if a.request.bitwise:
+        return "bitwise=True keeps each call's eager autograd graph, which lives on the device"
+    if a.request.memory_budget is not None and a.request.memory_budget < 1:
+        return "memory_budget < 1 keeps part of the activations on the device; offload keeps all of them on the host"
+    return None
+
+
+def estimate_offload(m: StepModel) -> Estimate:
+    """Retain's saved tensors, copied to host memory after each kept call and back for the update's backward: the
+    device holds native's memory, the step pays both copies over the host link."""
+    if not m.device.host_link:
+        return Estimate(str(Schedule.OFFLOAD), False, 0, (), math.inf, math.inf,
+                        note=f"{m.device.name}'s memory is the host's: there is nothing to offload to")
+    held = m.retained_step_bytes(m.per_block)
+    eligible = m.geometry.eligible
+    copies = 2 * held / m.device.host_link
+    return m.estimate(str(Schedule.OFFLOAD), m.static if m.per_block else m.gathered,
+                      {"activations (one call)": m.transient},
+                      m.native.seconds - eligible * (m.saved_seconds - copies),
+                      m.native.flops - eligible * m.saved_flops, all_steps(Action.OFFLOAD, eligible),
+                      note=f"every trained step copies {format_bytes(held)} to the host and back")
 
 
 # --------------------------------------------------------------------------------------------------- Reweight
@@ -159,6 +186,9 @@ SCHEDULES: dict[Schedule, ScheduleSpec] = {spec.schedule: spec for spec in (
                  _retain_refusal, estimate_retain, _build_retain, Retain),
     ScheduleSpec(Schedule.REWEIGHT, "backpropagate during the rollout at provisional advantages and correct once "
                  "the advantages are known", _reweight_refusal, estimate_reweight, _build_reweight, Reweight,
+                 fallback=Schedule.RETAIN),
+    ScheduleSpec(Schedule.OFFLOAD, "keep the rollout's activations in host memory for the update's backward",
+                 _offload_refusal, estimate_offload, functools.partial(_build_retain, kind=Action.OFFLOAD), Retain,
                  fallback=Schedule.RETAIN),
 )}
 

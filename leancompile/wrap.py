@@ -32,8 +32,7 @@ from .runtime.reweight import ProvisionalRows, Reweight
 from .runtime.rowwise import RowwiseBackbone
 from .schedules import SCHEDULES
 
-# Every schedule, and Retain keeping its activations in host memory.
-WRAP_SCHEDULES = (*(str(name) for name in SCHEDULES), str(Action.OFFLOAD))
+WRAP_SCHEDULES = tuple(str(name) for name in SCHEDULES)
 # Keyword arguments of diffusers transformers shared by every row whatever their length (position ids).
 SHARED_ARGUMENTS = ("img_ids", "txt_ids")
 
@@ -169,8 +168,7 @@ def wrap(module: torch.nn.Module, schedule: str = "retain", memory_limit: int | 
         raise ValueError(f"bitwise=True keeps eager graphs on the device: it needs schedule='retain', got "
                          f"schedule={schedule!r}")
     action = Action(schedule)
-    runs = Schedule.RETAIN if action is Action.OFFLOAD else Schedule(schedule)
-    kept = BitwiseRetain() if bitwise else SCHEDULES[runs].runtime()
+    kept = BitwiseRetain() if bitwise else SCHEDULES[Schedule(schedule)].runtime()
     engine = ReuseEngine(module, kept,
                          {1.0: RowwiseBackbone(module, tune_matmuls=tune_matmuls)}, shared=frozenset(shared))
     action = StepAction(0, action, "a call without grad of the wrapped module that matches no kept call")

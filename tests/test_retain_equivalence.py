@@ -5,6 +5,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from leancompile import backbones, optimize
+from leancompile.plan import Action, Schedule
 from leancompile.trainers import DanceGRPOConfig, FlowGRPOConfig, trainer_class
 
 from conftest import PromptTable, check_served_calls, mark_optimizer_steps, mean_reward
@@ -78,9 +79,9 @@ def _capture_first_gradient(trainer):
     return grads
 
 
-def _run_both(family, config, prompts=(1, 2), per_block=None, **overrides):
+def _run_both(family, config, prompts=(1, 2), per_block=None, schedule="retain", **overrides):
     native = _build(family, config, **overrides)
-    retain = optimize(_build(family, config, **overrides), schedule="retain", per_block=per_block)
+    retain = optimize(_build(family, config, **overrides), schedule=schedule, per_block=per_block)
     native.first_gradient = _capture_first_gradient(native)
     retain.first_gradient = _capture_first_gradient(retain)
     retain.marks = mark_optimizer_steps(retain)
@@ -105,6 +106,19 @@ def test_retain_equals_native_in_float64(case):
     else:
         assert float(d_retain.norm()) <= 1e-14
     check_served_calls(retain, retain.marks, every_call_served=config.num_inner_epochs == 1)
+
+
+@given(case=configurations())
+@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+def test_offload_equals_native_in_float64(case):
+    """Offload is Retain whose kept saved tensors wait in host memory (on a CPU trainer, where they are)."""
+    family, config = case
+    native, offload, n_stats, o_stats, d_native, d_offload = _run_both(family, config, schedule="offload")
+    assert offload.plan.schedule is Schedule.OFFLOAD
+    assert {a.kind for a in offload.plan.steps} <= {Action.OFFLOAD, Action.NO_GRAD}
+    if d_native.norm() > 0:
+        assert float((d_native - d_offload).norm() / d_native.norm()) <= 1e-10
+    check_served_calls(offload, offload.marks, every_call_served=config.num_inner_epochs == 1)
 
 
 def test_several_optimizer_steps_per_rollout_recompute_after_the_first():

@@ -94,7 +94,7 @@ def test_a_loss_summed_over_rows_refuses_reweight():
 def test_auto_runs_the_planners_fastest_schedule_that_fits_and_says_why(kw):
     plan = optimize(_trainer(**kw)).plan
     cost = plan.cost
-    fitting = [e for e in cost.estimates[:3] if e.fits]
+    fitting = [e for e in cost.estimates[:-1] if e.fits]
     assert cost["auto"].seconds == pytest.approx(min(e.seconds for e in fitting), rel=1e-9) or \
         cost["auto"].seconds < min(e.seconds for e in fitting)
     assert plan.schedule == cost["auto"].runs and "planned on cpu" in plan.choice

@@ -295,7 +295,7 @@ def estimate_retain(m: StepModel) -> Estimate:
                       {"retained activations": eligible * held,
                        "activations (one call)": m.transient * (m.geometry.optimizer_steps > 1)},
                       m.native.seconds - eligible * m.saved_seconds, m.native.flops - eligible * m.saved_flops,
-                      _all(Action.RETAIN, eligible), note=f"every trained step keeps {format_bytes(held)}")
+                      all_steps(Action.RETAIN, eligible), note=f"every trained step keeps {format_bytes(held)}")
 
 
 def _gathered(s: Scenario) -> dict[str, int]:
@@ -337,7 +337,7 @@ def estimate_reweight(m: StepModel) -> Estimate:
     transient = int(call_memory(s, False, partition=True).subs({ROWS: g.rollout_rows, **m.values}))
     return m.estimate(str(Schedule.REWEIGHT), m.gathered, {"gradient buffers": count * buffer, "kept outputs": kept,
                                                            "activations (one call)": transient},
-                      m.native.seconds - g.eligible * per_step + traffic, flops, _all(Action.REWEIGHT, g.eligible),
+                      m.native.seconds - g.eligible * per_step + traffic, flops, all_steps(Action.REWEIGHT, g.eligible),
                       note=f"{count} gradient buffers of {format_bytes(buffer)}")
 
 
@@ -410,7 +410,7 @@ def _auto(m: StepModel, others: list[Estimate], per_block: bool = False) -> Esti
     best = min([e for e in (mix, *others) if e is not None and e.fits] + [native], key=lambda e: e.seconds)
     if best is native:
         why = "nothing fits" if not native.fits else "no reuse fits or is faster"
-        return replace(native, schedule=AUTO, steps=_all(Action.RECOMPUTE, g.eligible), note=f"native: {why}")
+        return replace(native, schedule=AUTO, steps=all_steps(Action.RECOMPUTE, g.eligible), note=f"native: {why}")
     if best is mix:
         return mix
     return replace(best, schedule=AUTO, note=f"{best.schedule}: {best.note}"
@@ -425,7 +425,7 @@ def describe_steps(steps) -> str:
     return ", ".join(f"{label} x{n}" for label, n in counts.items())
 
 
-def _all(kind: Action, steps: int) -> tuple[StepAction, ...]:
+def all_steps(kind: Action, steps: int) -> tuple[StepAction, ...]:
     return tuple(StepAction(i, kind) for i in range(steps))
 
 
