@@ -168,7 +168,8 @@ def _compile(trainer, programs, request: Request, history: passes.PassHistory):
         auto = cost[AUTO]
         choice = (f"auto: planned on {cost.device} within {cost_planner.format_bytes(cost.budget)}: {auto.note}; "
                   "predicted " + ", ".join(f"{e.schedule} {cost.speedup(e.schedule):.2f}x"
-                                           + ("" if e.fits else " (does not fit)") for e in cost.estimates[:-1]))
+                                           + ("" if e.fits else " (does not fit)")
+                                           for e in cost.estimates[:-1] if e.available))
         if auto.runs is Schedule.NATIVE:
             return _native_plan(config, requested, choice, **found), graphs, None
         chosen, planned = auto.runs, auto.steps

@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from leancompile import optimize
 from leancompile.cost import live_device, plan, trainer_scenario
+from leancompile.schedules import estimators
 from leancompile.trainers import DanceGRPOConfig, FlowGRPOConfig
 from leancompile.trainers.advantages import group_advantages
 from leancompile.trainers.grpo import generator_seeds
@@ -94,7 +95,7 @@ def _predicted(trainer, samples: int) -> dict:
         view = copy.copy(trainer)
         view.__dict__.update(backbone=backbone, trainable=trainable)
         scenario = trainer_scenario(view, samples, world_size=WORLD, sharding="fsdp", advantage_free=True)
-        cost = plan(scenario, live_device("cpu"), 1 << 50)
+        cost = plan(scenario, live_device("cpu"), 1 << 50, estimators=estimators())
     return {name: cost[name].peak_bytes for name in ("native", "retain")}
 
 

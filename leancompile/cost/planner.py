@@ -70,6 +70,11 @@ class Estimate:
     note: str = ""
     per_block: bool = False  # Retain runs per transformer block (FSDP2's own gathers; runtime.regional)
 
+    @property
+    def available(self) -> bool:
+        """Whether the schedule can run here at all (a refused one has no time, and its note says why)."""
+        return math.isfinite(self.seconds)
+
 
 @dataclass(frozen=True)
 class CostPlan:
@@ -111,15 +116,17 @@ class CostPlan:
             names += [n for n, _ in e.components if n not in names]
         head = f"{'':<26}" + "".join(f"{e.schedule:>12}" for e in self.estimates)
         lines = [f"device {self.device}, budget {format_bytes(self.budget)}", head]
-        for name in names:
-            lines.append(f"  {name:<24}" + "".join(f"{format_bytes(dict(e.components).get(name, 0)):>12}"
-                                                   for e in self.estimates))
-        lines.append(f"  {'peak':<24}" + "".join(f"{format_bytes(e.peak_bytes):>12}" for e in self.estimates))
-        lines.append(f"  {'fits':<24}" + "".join(f"{'yes' if e.fits else 'NO':>12}" for e in self.estimates))
-        lines.append(f"  {'step time (s)':<24}" + "".join(f"{e.seconds:>12.3g}" for e in self.estimates))
-        lines.append(f"  {'speedup':<24}" + "".join(f"{self.speedup(e.schedule):>11.2f}x" for e in self.estimates))
-        lines.append(f"  {'FLOP-ideal speedup':<24}" + "".join(f"{self.flop_ideal(e.schedule):>11.2f}x"
-                                                             for e in self.estimates))
+
+        def row(label, cell):  # a schedule that cannot run here has no figures
+            return f"  {label:<24}" + "".join(f"{cell(e) if e.available else '-':>12}" for e in self.estimates)
+
+        lines += [row(name, lambda e: format_bytes(dict(e.components).get(name, 0))) for name in names]
+        lines += [row("peak", lambda e: format_bytes(e.peak_bytes)),
+                  f"  {'fits':<24}" + "".join(f"{'yes' if e.fits else 'NO':>12}" for e in self.estimates),
+                  row("step time (s)", lambda e: f"{e.seconds:.3g}"),
+                  row("speedup", lambda e: f"{self.speedup(e.schedule):.2f}x"),
+                  row("FLOP-ideal speedup", lambda e: f"{self.flop_ideal(e.schedule):.2f}x")]
+        lines += [f"  {e.schedule} cannot run: {e.note}" for e in self.estimates if not e.available]
         auto = self["auto"]
         lines.append(f"auto runs {auto.runs}: {auto.note}")
         if auto.steps:
