@@ -15,7 +15,7 @@ import torch
 import torch.fx as fx
 
 from .passes.graph import op_packet
-from .passes.meta import CALL, INPUT, PROVISIONAL
+from .passes.meta import CALL, INPUT, PROVISIONAL, Provisional
 
 # role -> (fill, outline, legend text). Highlighted roles come first: they are what the report is about.
 ROLES = {
@@ -65,7 +65,7 @@ def _region_key(node: fx.Node):
     call = node.meta.get(CALL)
     if call is not None:
         return ("backbone", call.index)
-    if node.meta.get(PROVISIONAL) not in (None, "loss"):
+    if node.meta.get(PROVISIONAL) not in (None, Provisional.LOSS):
         return ("provisional", 0)
     return None
 

@@ -1,7 +1,7 @@
 """Readable reports of an optimized trainer: its plan and its rewritten graphs."""
 from __future__ import annotations
 
-from .passes.meta import CALL, REWRITE, SHARED
+from .passes.meta import CALL, REWRITE, SHARED, Rewrite
 
 
 def graph_summary(gm) -> dict:
@@ -10,8 +10,8 @@ def graph_summary(gm) -> dict:
         "nodes": len(nodes),
         "backbone": sum(CALL in n.meta for n in nodes),
         "shared": sum(SHARED in n.meta for n in nodes),
-        "inserted": [n.name for n in nodes if n.meta.get(REWRITE) == "inserted"],
-        "reused": [n.name for n in nodes if n.meta.get(REWRITE) == "reused"],
+        "inserted": [n.name for n in nodes if n.meta.get(REWRITE) is Rewrite.INSERTED],
+        "reused": [n.name for n in nodes if n.meta.get(REWRITE) is Rewrite.REUSED],
     }
 
 

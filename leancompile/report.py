@@ -11,7 +11,7 @@ import html
 from pathlib import Path
 
 from .drawing import ROLES, draw_svg
-from .passes.meta import CALL, REWRITE, SHARED
+from .passes.meta import CALL, REWRITE, SHARED, Rewrite
 
 HIGHLIGHTED = ("inserted", "reused", "removed")
 
@@ -35,8 +35,8 @@ def node_roles(graphs: dict, name: str) -> dict[str, str]:
     removed = _removed_names(graphs, name)
     roles = {}
     for node in graphs[name].graph.nodes:
-        if node.meta.get(REWRITE) in ("inserted", "reused"):
-            roles[node.name] = node.meta[REWRITE]
+        if node.meta.get(REWRITE) in (Rewrite.INSERTED, Rewrite.REUSED):
+            roles[node.name] = str(node.meta[REWRITE])
         elif node.name in removed:
             roles[node.name] = "removed"
         elif CALL in node.meta:

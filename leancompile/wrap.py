@@ -22,12 +22,16 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from torch.distributed.fsdp import FSDPModule
 
 from .cost.devices import free_memory
+from .backbones.families import FAMILIES
+from .passes.pipeline import PassHistory
 from .plan import Action, Schedule, StepAction
 from .runtime.bitwise import BitwiseRetain
 from .runtime.calls import Call
 from .runtime.engine import ReuseEngine
+from .runtime.regional import RegionalEngine, transformer_blocks
 from .runtime.reweight import ProvisionalRows, Reweight
 from .runtime.rowwise import RowwiseBackbone
 from .schedules import SCHEDULES
@@ -127,7 +131,8 @@ class Wrapped(torch.nn.Module):
 
 
 def wrap(module: torch.nn.Module, schedule: str = "retain", memory_limit: int | None = None,
-         shared: tuple[str, ...] = SHARED_ARGUMENTS, tune_matmuls: bool = True, bitwise: bool = False) -> Wrapped:
+         shared: tuple[str, ...] = SHARED_ARGUMENTS, tune_matmuls: bool = True, bitwise: bool = False,
+         per_block: bool | None = None) -> Wrapped:
     """Wrap ``module`` so that its calls with grad are served from its earlier calls without grad where that is
     verified to compute the same thing.
 
@@ -146,6 +151,12 @@ def wrap(module: torch.nn.Module, schedule: str = "retain", memory_limit: int | 
         bitwise: ``schedule="retain"`` keeping the module's own eager autograd graph (:mod:`leancompile.runtime.bitwise`):
             the loop's run is native's bit for bit in any precision; an update call is served only when it holds
             exactly one kept call's rows in their order.
+        per_block: keep and serve each transformer block's calls through an engine of its own while the rest of
+            the module runs natively (:mod:`leancompile.runtime.regional`; the blocks are the module's stacks of
+            identical blocks, :func:`~leancompile.runtime.regional.transformer_blocks`), so that FSDP2's per-block
+            gathers and reduce-scatters run as they do natively: a module sharded with ``fully_shard`` is never
+            gathered whole. ``None``: per block when a submodule of ``module`` is sharded by FSDP2. Retain and
+            Offload only.
 
     Returns:
         The wrapped module; put it where the module was (inside ``DistributedDataParallel`` too).
@@ -167,10 +178,26 @@ def wrap(module: torch.nn.Module, schedule: str = "retain", memory_limit: int | 
     if bitwise and schedule != "retain":
         raise ValueError(f"bitwise=True keeps eager graphs on the device: it needs schedule='retain', got "
                          f"schedule={schedule!r}")
-    action = Action(schedule)
-    kept = BitwiseRetain() if bitwise else SCHEDULES[Schedule(schedule)].runtime()
-    engine = ReuseEngine(module, kept,
-                         {1.0: RowwiseBackbone(module, tune_matmuls=tune_matmuls)}, shared=frozenset(shared))
-    action = StepAction(0, action, "a call without grad of the wrapped module that matches no kept call")
+    if per_block is not None and not isinstance(per_block, bool):
+        raise ValueError(f"per_block must be True, False or None; got {per_block!r}")
+    if per_block is None:
+        per_block = any(isinstance(m, FSDPModule) for m in module.modules())
+    runtime = SCHEDULES[Schedule(schedule)].runtime
+    if per_block:
+        if bitwise or not runtime().input_gradients:
+            raise ValueError(f"per_block=True serves each block's input gradient, which schedule={schedule!r}"
+                             f"{' with bitwise=True' if bitwise else ''} does not keep: use schedule='retain' or "
+                             "'offload' without bitwise, or per_block=False")
+        blocks = transformer_blocks(module)
+        if not blocks:
+            raise ValueError(f"per_block=True: {type(module).__name__} has no stack of identical blocks (an "
+                             "nn.ModuleList of modules of one class); use per_block=False")
+        family = next((f for f in FAMILIES.values() for m in module.modules() if isinstance(m, f.model_class)), None)
+        engine = RegionalEngine(module, blocks, runtime, tune_matmuls, PassHistory(),
+                                shared=family.block_shared if family else (), call_shared=frozenset(shared))
+    else:
+        engine = ReuseEngine(module, BitwiseRetain() if bitwise else runtime(),
+                             {1.0: RowwiseBackbone(module, tune_matmuls=tune_matmuls)}, shared=frozenset(shared))
+    action = StepAction(0, Action(schedule), "a call without grad of the wrapped module that matches no kept call")
     engine.admit = _Admission(engine, action, memory_limit)
     return Wrapped(module, engine)

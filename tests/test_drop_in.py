@@ -2,6 +2,7 @@
 DanceGRPO-style Flux loop, an LLM GRPO loop) train exactly as their native versions, and serve every update call
 their optimizer steps allow; what cannot be verified runs natively."""
 import dataclasses
+import functools
 import gc
 import weakref
 
@@ -13,6 +14,7 @@ from hypothesis import strategies as st
 import leancompile
 from examples import dancegrpo_flux, flowgrpo_sd3, grpo_llm
 from examples.loop_cli import trained_module
+from leancompile.runtime.regional import RegionalEngine, transformer_blocks
 
 
 
@@ -65,6 +67,27 @@ def test_a_wrapped_loop_trains_exactly_as_its_native_version(name):
     assert _relative(weights, native_weights) <= 1e-10
     stats = trained_module(wrapped).stats()
     assert stats["served_calls"] == served, stats
+
+
+@pytest.mark.parametrize("name", LOOPS)
+def test_a_loop_wrapped_per_block_trains_exactly_as_its_native_version(name, monkeypatch):
+    """Each block's calls kept and served by an engine of its own, the module around them run natively (what wrap
+    does under FSDP2). FlowGRPO-style's rollout runs in ``eval()`` and its update in ``train()``: the calls'
+    training flags differ, and per block (the module around the blocks is not compiled, so the two modes' graphs
+    are not compared) they recompute, exact."""
+    monkeypatch.setattr(leancompile, "wrap", functools.partial(leancompile.wrap, per_block=True))
+    loop_class, config, served = LOOPS[name]
+    _, _, native_grads = _run(loop_class, config, False)
+    wrapped, _, grads = _run(loop_class, config, True)
+    for g, g_native in zip(grads, native_grads, strict=True):
+        assert _relative(g, g_native) <= 1e-10
+    module = trained_module(wrapped)
+    stats = module.stats()
+    assert isinstance(module.engine, RegionalEngine)
+    if name == "flowgrpo_sd3":
+        assert stats["served_calls"] == 0 and "training flags" in stats["recompute_reasons"]
+    else:  # block calls: every update call's blocks
+        assert stats["served_calls"] == served * len(transformer_blocks(module.module)), stats
 
 
 @settings(max_examples=6, deadline=None)
@@ -152,6 +175,10 @@ def test_a_call_the_engine_cannot_keep_runs_natively_and_says_why():
     (dict(module="model"), "module must be a torch.nn.Module"),
     (dict(module=torch.nn.Linear(2, 2), memory_limit=-1), "memory_limit must be a positive"),
     (dict(module=torch.nn.Linear(2, 2), shared="img_ids"), "shared must be a tuple"),
+    (dict(module=torch.nn.Linear(2, 2), per_block="yes"), "per_block must be True, False or None"),
+    (dict(module=torch.nn.Linear(2, 2), per_block=True), "Linear has no stack of identical blocks"),
+    (dict(module=torch.nn.Sequential(torch.nn.ModuleList([torch.nn.Linear(2, 2)])), per_block=True,
+          schedule="reweight"), "per_block=True serves each block's input gradient"),
 ])
 def test_bad_arguments_are_refused_by_name(kwargs, message):
     with pytest.raises(ValueError, match=message):

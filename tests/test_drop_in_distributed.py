@@ -1,6 +1,8 @@
-"""``leancompile.wrap`` inside ``DistributedDataParallel``: two gloo processes run the LLM GRPO loop with the model
-as ``DDP(model)`` and as ``DDP(leancompile.wrap(model))``, each rank on its own questions; the weights after two
-GRPO steps agree to float64 rounding, and the update's calls are served."""
+"""``leancompile.wrap`` in data-parallel loops, two gloo processes each: the LLM GRPO loop with the model as
+``DDP(model)`` and as ``DDP(leancompile.wrap(model))``, each rank on its own questions; and the DanceGRPO-style Flux
+loop with the transformer sharded by FSDP2 (``fully_shard`` per block and at the root) and then wrapped, which
+runs per block under FSDP2's own gathers. In both the weights after two GRPO steps agree to float64 rounding and
+the update's calls are served."""
 import os
 
 import pytest
@@ -8,7 +10,10 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from examples import grpo_llm
+import leancompile
+from examples import dancegrpo_flux, grpo_llm
+from examples.loop_cli import trained_module
+from leancompile.runtime.regional import RegionalEngine, transformer_blocks
 from conftest import spawn_ranks
 from test_drop_in import DenseRewardLLM
 
@@ -61,3 +66,76 @@ def test_wrapped_inside_ddp_trains_as_ddp_alone(ranks):
         assert float((wrapped - native).norm() / native.norm()) <= 1e-10
         assert stats["served_calls"] == 2 * 2, stats  # two micro-batches per step, two steps
     assert torch.equal(ranks[0][True][0], ranks[1][True][0])  # the ranks stay in sync
+
+
+class FullyShardedFlux(dancegrpo_flux.Loop):
+    """The Flux loop with its transformer sharded as an FSDP2 script shards it, then (optionally) wrapped; FSDP2's
+    all-gathers and reduce-scatters counted."""
+
+    def __init__(self, config, use_leancompile):
+        from torch.distributed.fsdp import FSDPModule, fully_shard
+        from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
+
+        super().__init__(config, use_leancompile=False)
+        self.use_leancompile = use_leancompile
+        self.collectives = counts = {"all_gather": 0, "reduce_scatter": 0}
+
+        class CountedAllGather(DefaultAllGather):
+            def __call__(self, *args, **kwargs):
+                counts["all_gather"] += 1
+                return super().__call__(*args, **kwargs)
+
+        class CountedReduceScatter(DefaultReduceScatter):
+            def __call__(self, *args, **kwargs):
+                counts["reduce_scatter"] += 1
+                return super().__call__(*args, **kwargs)
+
+        for block in transformer_blocks(self.transformer):
+            fully_shard(block)
+        fully_shard(self.transformer)
+        for module in self.transformer.modules():
+            if isinstance(module, FSDPModule):
+                module.set_custom_all_gather(CountedAllGather())
+                module.set_custom_reduce_scatter(CountedReduceScatter())
+        if use_leancompile:
+            self.transformer = leancompile.wrap(self.transformer)  # per block: a submodule is sharded by FSDP2
+
+
+def _fsdp_worker(rank, port, out):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    torch.set_num_threads(1)
+    config = dancegrpo_flux.Config(num_steps=6, dtype=torch.float64, seed=rank)
+    results = {}
+    for use in (False, True):
+        loop = FullyShardedFlux(config, use)
+        module = trained_module(loop)
+        loop.optimizer = torch.optim.SGD(module.parameters(), lr=0.05)
+        shards = lambda: torch.cat([p.detach().to_local().flatten() for p in module.parameters()])  # noqa: E731
+        start = shards()
+        for _ in range(2):
+            loop.step()
+        stats = module.stats() if use else {}
+        per_block = isinstance(module.engine, RegionalEngine) if use else False
+        results[use] = (shards() - start, stats, dict(loop.collectives), per_block)
+    torch.save(results, os.path.join(out, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def fsdp_ranks(tmp_path_factory):
+    return spawn_ranks(_fsdp_worker, WORLD, tmp_path_factory.mktemp("fsdp_ranks"))
+
+
+def test_wrapped_under_fsdp2_runs_per_block_and_trains_as_fsdp2_alone(fsdp_ranks):
+    for rank in fsdp_ranks:
+        (native, _, native_collectives, _), (wrapped, stats, collectives, per_block) = rank[False], rank[True]
+        assert per_block and native.norm() > 0
+        assert float((wrapped - native).norm() / native.norm()) <= 1e-10
+        # Every update call's blocks served: 2 steps x 2 prompts x 2 samples x 3 trained steps, 4 blocks each.
+        assert stats["served_calls"] == 2 * 2 * 2 * 3 * 4 and stats["recomputed_calls"] == 0, stats
+        # FSDP2's own per-block collectives, no whole-model gather: as many reduce-scatters as native's, and no
+        # more all-gathers (a served block's backward gathers its weights once; native's checkpointed backward
+        # gathers them for its recomputation too).
+        assert collectives["reduce_scatter"] == native_collectives["reduce_scatter"] > 0
+        assert 0 < collectives["all_gather"] <= native_collectives["all_gather"], (collectives, native_collectives)

@@ -5,9 +5,10 @@ import pytest
 import torch
 
 from leancompile import backbones, optimize, passes
-from leancompile.passes.backbone import backbone_calls, call_boundary
+from leancompile.passes.shared import backbone_calls, call_boundary
 from leancompile.passes.pipeline import apply
-from leancompile.passes.meta import CALL, INPUT, LINEARITY, MATMUL_ORDER, NEEDS_GRAD, PROVENANCE, REWRITE, SHARED
+from leancompile.passes.meta import (CALL, INPUT, LINEARITY, MATMUL_ORDER, NEEDS_GRAD, PROVENANCE, REWRITE, SHARED,
+                                     Linear, Rewrite)
 from leancompile.passes.rewrite import RETAINED, REUSED
 from leancompile.plan import Schedule
 from leancompile.trainers import DanceGRPOConfig, FlowGRPOConfig, FlowGRPOTrainer
@@ -103,11 +104,11 @@ def test_rewrite_inserts_the_retained_output_and_removes_the_update_backbone(cfg
     _, programs = cfg_kl_programs
     rewritten = passes.rewrite_for_retain(programs.rollout, programs.update, (0, 0))
     r_nodes = {n.name: n for n in rewritten.rollout.graph.nodes}
-    assert r_nodes[RETAINED].meta[REWRITE] == "inserted"
+    assert r_nodes[RETAINED].meta[REWRITE] is Rewrite.INSERTED
     output = next(n for n in rewritten.rollout.graph.nodes if n.op == "output")
     assert r_nodes[RETAINED] in output.all_input_nodes
     u_nodes = {n.name: n for n in rewritten.update.graph.nodes}
-    assert u_nodes[REUSED].op == "placeholder" and u_nodes[REUSED].meta[REWRITE] == "reused"
+    assert u_nodes[REUSED].op == "placeholder" and u_nodes[REUSED].meta[REWRITE] is Rewrite.REUSED
     policy_left = [n for n in rewritten.update.graph.nodes if CALL in n.meta and n.meta[CALL].index == 0]
     reference_left = [n for n in rewritten.update.graph.nodes if CALL in n.meta and n.meta[CALL].index == 1]
     assert not policy_left and reference_left  # the reference forward stays
@@ -210,7 +211,7 @@ def test_linearity_proves_the_ppo_loss_affine_and_separates_the_kl_term(cfg_kl_p
     assert len(linearity.advantage_free) == 1  # beta * KL
     free = next(n for n in programs.update.graph.nodes if n.name == linearity.advantage_free[0])
     assert free.meta.get(LINEARITY) is None
-    assert {n.meta[LINEARITY] for n in programs.update.graph.nodes if LINEARITY in n.meta} == {"affine", "tie"}
+    assert {n.meta[LINEARITY] for n in programs.update.graph.nodes if LINEARITY in n.meta} == {Linear.AFFINE, Linear.TIE}
     assert passes.check_linearity(passes.capture(_trainer()).update).advantage_free == ()
 
 
@@ -259,7 +260,7 @@ def test_scatters_into_fresh_buffers_are_written_in_place():
         assert apply(write_scatters_in_place, gm) == expected and scatters() == 2 - expected
         for got, want in zip(torch.utils._pytree.tree_leaves(gm(x)), torch.utils._pytree.tree_leaves(fn(x))):
             assert torch.equal(got, want)
-        assert all(n.meta[REWRITE] == "in-place" for n in gm.graph.nodes if n.target is torch.ops.aten.copy_.default)
+        assert all(n.meta[REWRITE] is Rewrite.IN_PLACE for n in gm.graph.nodes if n.target is torch.ops.aten.copy_.default)
 
 
 def test_matrix_products_take_the_operand_order_their_timing_chose():
@@ -286,7 +287,7 @@ def test_matrix_products_take_the_operand_order_their_timing_chose():
     d_node = next(n for n in gm.graph.nodes if n.op == "placeholder")
     assert swapped.args[0].target is torch.ops.aten.t.default and swapped.args[1] is d_node
     assert nodes[names[0]].target is torch.ops.aten.clone.default
-    assert nodes[names[0]].meta[REWRITE] == swapped.meta[REWRITE] == "reordered"
+    assert nodes[names[0]].meta[REWRITE] == swapped.meta[REWRITE] is Rewrite.REORDERED
     assert nodes[names[1]].target is torch.ops.aten.bmm.default  # 5% faster is inside the margin
     assert swapped.meta[MATMUL_ORDER] == timings["mm"] and nodes[names[1]].meta[MATMUL_ORDER] == timings["bmm"]
     for got, want in zip(gm(d, h, x), expected):

@@ -3,7 +3,7 @@ the plan chooses and refuses."""
 import pytest
 
 from leancompile import backbones, optimize, passes
-from leancompile.passes.meta import CALL, PROVISIONAL, REWRITE
+from leancompile.passes.meta import CALL, PARAMETER, PROVISIONAL, REWRITE, Provisional, Rewrite
 from leancompile.trainers import FlowGRPOConfig, FlowGRPOTrainer
 from leancompile.plan import Action, Schedule
 
@@ -24,16 +24,17 @@ def test_the_provisional_rollout_backpropagates_the_kept_call_once():
     nodes = list(gm.graph.nodes)
     # one backbone forward (the doubled CFG batch): the loss head reads its output instead of calling again
     assert {n.meta[CALL].index for n in nodes if CALL in n.meta} == {0}
-    head = [n for n in nodes if n.meta.get(PROVISIONAL) == "loss"]
-    backward = [n for n in nodes if n.meta.get(PROVISIONAL) == "backward"]
+    head = [n for n in nodes if n.meta.get(PROVISIONAL) is Provisional.LOSS]
+    backward = [n for n in nodes if n.meta.get(PROVISIONAL) is Provisional.BACKWARD]
     assert head and backward and not any(CALL in n.meta for n in head)
-    assert all(n.meta.get(REWRITE) == "inserted" for n in backward)
+    assert all(n.meta.get(REWRITE) is Rewrite.INSERTED for n in backward)
     assert any("backward" in str(n.target) for n in backward)  # e.g. the attention's backward kernel
     outputs = next(n for n in nodes if n.op == "output").args[0]
     grads = outputs[2:]
     assert len(grads) == len(trainer.trainable)
     assert [g.name for g in grads] == [f"provisional_grad_{i}" for i in range(len(grads))]
-    assert [g.meta[PROVISIONAL] for g in grads] == trainer.trainable_names
+    assert all(g.meta[PROVISIONAL] is Provisional.GRADIENT for g in grads)
+    assert [g.meta[PARAMETER] for g in grads] == trainer.trainable_names
     assert [tuple(g.meta["val"].shape) for g in grads] == [tuple(p.shape) for p in trainer.trainable]
 
 

@@ -5,8 +5,9 @@ Analyses are functions over the traced programs that record what they found in `
 many nodes they changed. :mod:`leancompile.passes.pipeline` holds the order in which they run, checks every graph
 after each pass and records what each did.
 """
-from .backbone import SharedBackbone, detect_shared_backbone
-from .capture import BackboneCall, Programs, capture, capture_provisional
+from .shared import SharedBackbone, detect_shared_backbone
+from .capture import BackboneCall, Programs, capture
+from .provisional import capture_provisional
 from .gradients import GradientNeed, prune_gradient_need
 from .identities import drop_copies_of_unshared_values, drop_multiplications_by_one, fold_views
 from .inplace import write_scatters_in_place

@@ -27,8 +27,8 @@ from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
 from torch.nn.utils.stateless import _reparametrize_module
 
 from ..backbones import Conditioning
-from ..protocol import MicroStep, Rollout
-from .meta import CALL, INPUT, PROVISIONAL, REWRITE
+from ..protocol import Rollout
+from .meta import CALL, INPUT
 
 
 @dataclass(frozen=True)
@@ -58,7 +58,7 @@ def _adapters_enabled(module: torch.nn.Module) -> bool:
 
 
 @contextlib.contextmanager
-def _mark_backbone_calls(modules: dict[str, torch.nn.Module], program: str):
+def marking_backbone_calls(modules: dict[str, torch.nn.Module], program: str):
     """Tag the graph nodes each module call creates while ``make_fx`` traces."""
     calls = []
 
@@ -100,13 +100,13 @@ def _mark_backbone_calls(modules: dict[str, torch.nn.Module], program: str):
             h.remove()
 
 
-def _tag_placeholders(gm: torch.fx.GraphModule, names: list[str]) -> None:
+def tag_placeholders(gm: torch.fx.GraphModule, names: list[str]) -> None:
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     for node, name in zip(placeholders, names):
         node.meta[INPUT] = name
 
 
-def _example_inputs(trainer, rows: int):
+def example_inputs(trainer, rows: int):
     """A rollout-shaped example: ``rows`` samples, every step stored, conditioning from the backbone."""
     cfg = trainer.config
     bb = trainer.backbone
@@ -125,7 +125,7 @@ def _example_inputs(trainer, rows: int):
     }
 
 
-def _conditioning(text, pooled) -> Conditioning:
+def conditioning_of(text, pooled) -> Conditioning:
     return Conditioning(text, pooled if pooled.shape[-1] else None)
 
 
@@ -137,7 +137,7 @@ def capture(trainer, rows: int | None = None) -> Programs:
     backbone = trainer.backbone
     params = dict(backbone.named_parameters())
     buffers = dict(backbone.named_buffers())
-    example = _example_inputs(trainer, rows)
+    example = example_inputs(trainer, rows)
     modules = {"backbone": backbone}
     if getattr(trainer, "reference", None) is not None:
         modules["reference"] = trainer.reference
@@ -146,13 +146,13 @@ def capture(trainer, rows: int | None = None) -> Programs:
         with _reparametrize_module(backbone, {**params, **buffers}):
             x = latents[rows, steps]
             sigma, sigma_next = trainer.sigmas[steps], trainer.sigmas[steps + 1]
-            v = trainer.rollout_velocity(0, rows, x, sigma, _conditioning(cond_text, cond_pooled).index(rows))
+            v = trainer.rollout_velocity(0, rows, x, sigma, conditioning_of(cond_text, cond_pooled).index(rows))
             res = trainer.step_fn(x, v, sigma, sigma_next, cfg.noise, noise=noise)
             return res.prev_sample, res.log_prob
 
     def update_micro_step(params, buffers, latents, log_probs, cond_text, cond_pooled, advantages, rows, steps):
         with _reparametrize_module(backbone, {**params, **buffers}):
-            rollout = Rollout([], _conditioning(cond_text, cond_pooled), latents, log_probs, trainer.sigmas,
+            rollout = Rollout([], conditioning_of(cond_text, cond_pooled), latents, log_probs, trainer.sigmas,
                               torch.ones(cfg.num_steps, dtype=torch.bool))
             loss, _ = trainer.micro_step_loss(trainer.micro_step(rollout, advantages, rows, steps))
             return loss
@@ -164,95 +164,9 @@ def capture(trainer, rows: int | None = None) -> Programs:
         ("update", update_micro_step,
          ("latents", "log_probs", "cond_text", "cond_pooled", "advantages", "rows", "steps")),
     ):
-        with _mark_backbone_calls(modules, program):
+        with marking_backbone_calls(modules, program):
             gm = make_fx(fn, tracing_mode="fake", _allow_non_fake_inputs=True)(
                 params, buffers, *(example[k] for k in data))
-        _tag_placeholders(gm, names + [f"data:{k}" for k in data])
+        tag_placeholders(gm, names + [f"data:{k}" for k in data])
         traced[program] = gm
     return Programs(rollout=traced["rollout"], update=traced["update"])
-
-
-@contextlib.contextmanager
-def _marking_new_nodes(key: str, value: str):
-    """Tag the nodes ``make_fx`` records inside the block with ``node.meta[key] = value``."""
-    graph = get_proxy_mode().tracer.graph
-    before = set(graph.nodes)
-    try:
-        yield
-    finally:
-        for node in graph.nodes:
-            if node not in before:
-                node.meta.setdefault(key, value)
-
-
-def capture_provisional(trainer, rows: int | None = None) -> torch.fx.GraphModule:
-    """Trace Reweight's rollout step: the backbone call with grad, the SDE update, the trainer's loss head at the
-    provisional advantage 1 on the call's output (no second forward), and the backward into the trainable weights.
-
-    Nodes carry ``node.meta[PROVISIONAL]``: ``"loss"`` for the head, ``"backward"`` for the backward (those also
-    ``REWRITE = "inserted"``); the outputs are ``(x_next, log_prob, provisional_grad_0, ...)``.
-    """
-    from ..backbones.routing import calling
-
-    cfg = trainer.config
-    rows = rows or min(cfg.train_batch_size, cfg.group_size)
-    backbone = trainer.backbone
-    params = dict(backbone.named_parameters())
-    buffers = dict(backbone.named_buffers())
-    trainable = [n for n, p in params.items() if p.requires_grad]
-    example = _example_inputs(trainer, rows)
-    train_velocity = trainer.train_velocity
-
-    def provisional_step(params, buffers, latents, cond_text, cond_pooled, rows, steps, noise):
-        with _reparametrize_module(backbone, {**params, **buffers}):
-            x = latents[rows, steps]
-            sigma, sigma_next = trainer.sigmas[steps], trainer.sigmas[steps + 1]
-            cond = _conditioning(cond_text, cond_pooled).index(rows)
-            kept = {}
-
-            def forward_with_grad(*args):
-                with torch.enable_grad():
-                    kept["output"] = backbone(*args)
-                return kept["output"].detach()
-
-            def head_velocity(micro):  # the loss head reads the kept output: no second forward
-                with calling(trainer, lambda *args: kept["output"]):
-                    return train_velocity(micro)
-
-            with calling(trainer, forward_with_grad):
-                v = trainer.rollout_velocity(0, rows, x, sigma, cond)
-            res = trainer.step_fn(x, v, sigma, sigma_next, cfg.noise, noise=noise)
-            micro = MicroStep(rows, steps, x, res.prev_sample, sigma, sigma_next, cond, res.log_prob,
-                              torch.ones(len(rows), dtype=x.dtype))
-            trainer.__dict__["train_velocity"] = head_velocity
-            try:
-                with torch.enable_grad(), _marking_new_nodes(PROVISIONAL, "loss"):
-                    loss, _ = trainer.micro_step_loss(micro)
-            finally:
-                del trainer.__dict__["train_velocity"]
-            with _marking_new_nodes(PROVISIONAL, "backward"):
-                grads = torch.autograd.grad(loss, [params[n] for n in trainable], allow_unused=True,
-                                            materialize_grads=True)
-            return (res.prev_sample, res.log_prob, *grads)
-
-    data = ("latents", "cond_text", "cond_pooled", "rows", "steps", "noise")
-    with _mark_backbone_calls({"backbone": backbone}, "rollout"):
-        gm = make_fx(provisional_step, tracing_mode="fake", _allow_non_fake_inputs=True)(
-            params, buffers, *(example[k] for k in data))
-    _tag_placeholders(gm, [f"param:{n}" for n in params] + [f"buffer:{n}" for n in buffers] +
-                      [f"data:{k}" for k in data])
-    output = next(n for n in gm.graph.nodes if n.op == "output")
-    results = list(output.args[0])
-    for i, grad in enumerate(results[2:]):
-        with gm.graph.inserting_before(output):
-            node = gm.graph.call_function(torch.ops.aten.alias.default, (grad,))
-        node.name = f"provisional_grad_{i}"
-        node.meta.update(val=grad.meta.get("val"), **{REWRITE: "inserted", PROVISIONAL: trainable[i]})
-        results[2 + i] = node
-    output.args = (tuple(results),)
-    for node in gm.graph.nodes:
-        if node.meta.get(PROVISIONAL) == "backward":
-            node.meta[REWRITE] = "inserted"
-    gm.graph.lint()
-    gm.recompile()
-    return gm

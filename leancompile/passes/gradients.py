@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch.fx as fx
 
-from .backbone import backbone_calls, call_boundary
+from .shared import backbone_calls, call_boundary
 from .graph import op_name
 from .meta import NEEDS_GRAD
 

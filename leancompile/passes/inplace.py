@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from .meta import REWRITE
+from .meta import REWRITE, Rewrite
 
 aten = torch.ops.aten
 _FRESH = {aten.empty_like.default, aten.empty.memory_format, aten.zeros_like.default, aten.zeros.default,
@@ -32,14 +32,14 @@ def write_scatters_in_place(gm: torch.fx.GraphModule) -> int:
         written = (view is not None and view.target is aten.slice.Tensor and view.args == (base, *where)
                    and len(view.users) == 1 and len(src.users) == 1)
         # Readers of the buffer besides the scatter; a dead view reads nothing.
-        readers = [u for u in base.users if u.meta.get(REWRITE) != "in-place" and not (written and u is view)
+        readers = [u for u in base.users if u.meta.get(REWRITE) is not Rewrite.IN_PLACE and not (written and u is view)
                    and (u.users or u is node)]
         if base not in owned or readers != [node]:
             continue
         with gm.graph.inserting_before(node):
             target = gm.graph.call_function(aten.slice.Tensor, (base, *where), dict(node.kwargs))
             copy = gm.graph.call_function(aten.copy_.default, (target, src.args[1] if written else src))
-        target.meta[REWRITE] = copy.meta[REWRITE] = "in-place"
+        target.meta[REWRITE] = copy.meta[REWRITE] = Rewrite.IN_PLACE
         node.replace_all_uses_with(base)
         gm.graph.erase_node(node)
         if written:

@@ -8,7 +8,7 @@ and a ``maximum``/``minimum`` of ``c * ratio`` and ``c * clamp(ratio, lo, hi)`` 
 clip): at ratio == 1 its two branches are equal, so it is linear there. The summands of the loss that do not
 depend on A (e.g. the KL penalty) are the advantage-free terms.
 
-Writes ``node.meta[LINEARITY]``: ``"affine"`` on A-dependent nodes, ``"tie"`` on the proven max/min.
+Writes ``node.meta[LINEARITY]``: ``Linear.AFFINE`` on A-dependent nodes, ``Linear.TIE`` on the proven max/min.
 
 Before: ``loss = mean(maximum(-A * r, -A * clamp(r, 1 - e, 1 + e))) + beta * kl``
 After:  ``Linearity(affine=True, ties=("maximum",), advantage_free=("mul_131",))``
@@ -19,9 +19,9 @@ from __future__ import annotations
 import torch.fx as fx
 
 from ..plan import Linearity
-from .backbone import _ROW_OPS
+from .shared import _ROW_OPS
 from .graph import ancestors, op_name
-from .meta import INPUT, LINEARITY
+from .meta import INPUT, LINEARITY, Linear
 
 _LINEAR_UNARY = _ROW_OPS | {"neg.default", "mean.default", "mean.dim", "sum.default", "sum.dim_IntList"}
 _ADDITIVE = {"add.Tensor", "sub.Tensor"}
@@ -93,7 +93,7 @@ def check_linearity(update: fx.GraphModule) -> Linearity:
             ok = False
         if not ok:
             return Linearity(False, f"{node.name} ({name}) is not linear in the advantages", tuple(ties), ())
-        node.meta[LINEARITY] = "tie" if node.name in ties else "affine"
+        node.meta[LINEARITY] = Linear.TIE if node.name in ties else Linear.AFFINE
     free = tuple(n.name for n in _summands(loss) if n not in dependent)
     row_mean = not any(op_name(n).startswith("sum.") for n in dependent if n.op == "call_function")
     return Linearity(True, None, tuple(ties), free, row_mean)

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
-from .meta import MATMUL_ORDER, REWRITE
+from .meta import MATMUL_ORDER, REWRITE, Rewrite
 
 aten = torch.ops.aten
 # per product: the op and the extra arguments that transpose its operands' last two dims
@@ -129,7 +129,7 @@ def order_matrix_products(gm: torch.fx.GraphModule, margin: float = 0.1, timer=t
             result = graph.call_function(aten.clone.default, (back,), {"memory_format": torch.contiguous_format})
         product.name = f"swapped_{name}"
         for new in (product, back, result):
-            new.meta[REWRITE] = "reordered"
+            new.meta[REWRITE] = Rewrite.REORDERED
         product.meta[MATMUL_ORDER] = timing
         result.meta["val"] = node.meta["val"]
         node.replace_all_uses_with(result)

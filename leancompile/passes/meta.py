@@ -1,4 +1,6 @@
-"""The ``node.meta`` keys the passes write. Each analysis owns one key."""
+"""The ``node.meta`` keys the passes write, and the values they take where those are a fixed set. Each analysis
+owns one key."""
+import enum
 
 INPUT = "leancompile.input"  # placeholder role: "param:<name>" | "buffer:<name>" | "data:<name>"
 CALL = "leancompile.call"  # BackboneCall: the module call that created the node
@@ -6,7 +8,40 @@ SHARED = "leancompile.shared"  # update node -> the name of its structurally ide
 PROVENANCE = "leancompile.provenance"  # backbone-call input -> RowSource segments it was gathered from
 NEEDS_GRAD = "leancompile.needs_grad"  # backbone output -> tuple of the row segments the loss differentiates
 FINDING = "leancompile.finding"  # validity findings attached to the node they concern
-REWRITE = "leancompile.rewrite"  # "inserted" | "reused" | "in-place" | "reordered" on nodes a pass made
+REWRITE = "leancompile.rewrite"  # Rewrite: what a pass did to the node
+ROWS = "leancompile.rows"  # the rows a Rewrite.FOLDED or Rewrite.SUMMED node stands for
 MATMUL_ORDER = "leancompile.matmul_order"  # mm / bmm -> ProductTiming: seconds as written and with operands swapped
-LINEARITY = "leancompile.linearity"  # "affine" | "tie" on update nodes that depend on the advantages
-PROVISIONAL = "leancompile.provisional"  # Reweight's rollout: "loss" (head at A = 1), "backward", or the weight's name
+LINEARITY = "leancompile.linearity"  # Linear, on update nodes that depend on the advantages
+PROVISIONAL = "leancompile.provisional"  # Provisional: the part of Reweight's rollout the node belongs to
+PARAMETER = "leancompile.parameter"  # a provisional gradient output -> the name of its weight
+
+
+class Rewrite(str, enum.Enum):
+    INSERTED = "inserted"  # made by the Retain rewrite or Reweight's provisional capture
+    REUSED = "reused"  # the placeholder that reads the rollout's kept backbone output
+    IN_PLACE = "in-place"  # a scatter and the buffer it now writes into
+    REORDERED = "reordered"  # a matrix product computed as (B^T A^T)^T
+    RESHAPE = "reshape"  # a view made a reshape (vmap's row dimension)
+    CLAMPED = "clamped"  # a slice's open end closed to the dimension's size
+    FOLDED = "folded per-row calls"  # ROWS per-row calls of one operator as one call
+    SUMMED = "sum over rows of products as one product"  # a weight gradient over ROWS rows as one mm
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class Linear(str, enum.Enum):
+    AFFINE = "affine"  # affine in the advantages
+    TIE = "tie"  # a max/min proven to tie at ratio 1
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class Provisional(str, enum.Enum):
+    LOSS = "loss"  # the loss head at advantage 1
+    BACKWARD = "backward"  # its backward into the trainable weights
+    GRADIENT = "gradient"  # an output: one weight's provisional gradient (PARAMETER names it)
+
+    def __str__(self) -> str:
+        return self.value

@@ -22,8 +22,8 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from .backbone import backbone_calls, call_boundary
-from .meta import REWRITE
+from .shared import backbone_calls, call_boundary
+from .meta import REWRITE, Rewrite
 
 RETAINED = "retain_backbone_out_for_update"
 REUSED = "reused_backbone_out_from_rollout"
@@ -53,7 +53,7 @@ def rewrite_for_retain(rollout: fx.GraphModule, update: fx.GraphModule, pair: tu
         with new_rollout.graph.inserting_after(out):
             node = new_rollout.graph.call_function(torch.ops.aten.alias.default, (out,))
         node.name = RETAINED if i == 0 else f"{RETAINED}_{i}"
-        node.meta.update(val=out.meta.get("val"), **{REWRITE: "inserted"})
+        node.meta.update(val=out.meta.get("val"), **{REWRITE: Rewrite.INSERTED})
         kept.append(node)
         inserted.append(node.name)
     results = output.args[0]
@@ -66,7 +66,7 @@ def rewrite_for_retain(rollout: fx.GraphModule, update: fx.GraphModule, pair: tu
     for i, out in enumerate(u_outputs):
         with new_update.graph.inserting_before(first):
             node = new_update.graph.placeholder(REUSED if i == 0 else f"{REUSED}_{i}")
-        node.meta.update(val=out.meta.get("val"), **{REWRITE: "reused"})
+        node.meta.update(val=out.meta.get("val"), **{REWRITE: Rewrite.REUSED})
         out.replace_all_uses_with(node)
         inserted.append(node.name)
     # The region is pure backbone computation; attention ops count as impure for generic DCE (they may draw

@@ -21,7 +21,7 @@ import operator
 import torch
 import torch.fx as fx
 
-from .meta import REWRITE
+from .meta import REWRITE, ROWS, Rewrite
 
 aten = torch.ops.aten
 _VIEWS = (aten.view.default, aten._unsafe_view.default)
@@ -37,7 +37,7 @@ def prepare_for_rows(gm: fx.GraphModule) -> int:
             continue
         if node.target in _VIEWS:
             node.target = aten.reshape.default
-            node.meta[REWRITE] = "reshape"
+            node.meta[REWRITE] = Rewrite.RESHAPE
             reshapes += 1
         elif node.target in _SLICES:
             clamped += _clamp_slice_end(node)
@@ -56,7 +56,7 @@ def _clamp_slice_end(node: fx.Node) -> int:
         return 0
     args[first + 2] = size
     node.args = tuple(args)
-    node.meta[REWRITE] = "clamped"
+    node.meta[REWRITE] = Rewrite.CLAMPED
     return 1
 
 
@@ -154,7 +154,7 @@ def _fold(gm: fx.GraphModule, nodes: list[fx.Node], rows: int) -> None:
     with graph.inserting_before(first):
         call = graph.call_function(first.target, tuple(whole(a) for a in first.args),
                                    {k: whole(v) for k, v in first.kwargs.items()})
-        call.meta[REWRITE] = f"folded {rows} per-row calls"
+        call.meta.update({REWRITE: Rewrite.FOLDED, ROWS: rows})
         per_row = {}  # result index -> the result viewed with its row dimension
         for row, node in enumerate(nodes):
             for user in list(node.users):
@@ -244,7 +244,7 @@ def _sum_of_product(graph: fx.Graph, total: fx.Node) -> int:
                 value = graph.call_function(aten.transpose.int, (value, op.args[1] - 1, op.args[2] - 1))
             else:
                 value = graph.call_function(aten.reshape.default, (value, list(op.args[1][1:])))
-    value.meta[REWRITE] = f"sum over {rows} rows of products as one product"
+    value.meta.update({REWRITE: Rewrite.SUMMED, ROWS: rows})
     total.replace_all_uses_with(value)
     graph.erase_node(total)
     return 1

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch.fx as fx
 
 from ..plan import Finding
-from .backbone import backbone_calls
+from .shared import backbone_calls
 from .graph import op_packet
 from .meta import CALL, FINDING
 

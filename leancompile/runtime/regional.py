@@ -49,11 +49,15 @@ class RegionalEngine:
 
     def __init__(self, backbone: torch.nn.Module, blocks: list[torch.nn.Module],
                  schedule: Callable[[], ReuseSchedule], tune_matmuls: bool = True, history: PassHistory | None = None,
-                 shared: tuple[str, ...] = ()):
+                 shared: tuple[str, ...] = (), call_shared: frozenset[str] = frozenset()):
         """``schedule`` makes each block's schedule; it must serve calls whose inputs require grad (Retain).
         ``shared``: the blocks' arguments that every row shares whatever their leading size (a family's
-        ``block_shared``)."""
+        ``block_shared``); ``call_shared``: the backbone's (see runtime.calls)."""
         self.backbone = backbone
+        self.call_shared = call_shared
+        # For a wrapped module: the action to keep a call without grad that matches nothing under (None: not kept),
+        # asked of each such call (see leancompile.wrap); a trainer says what to keep with ``keeping``.
+        self.admit = None
         self.blocks = list(blocks)
         self.engines = []
         programs: dict[tuple, dict] = {}  # per block structure: its compiled programs
@@ -79,8 +83,18 @@ class RegionalEngine:
                              "inputs' gradients")
         self.rowwise = self.engines[0].rowwise  # the first block's programs, for inspection
 
+    answering_with_leaves_now = False  # Retain only: no provisional loss heads
+
     def __call__(self, *args, **kwargs):
-        self._current = (None, "", "") if self._passing else self._verify(Call.of(args, kwargs))
+        if self._passing:
+            self._current = (None, "", "")
+        else:
+            call = Call.of(args, kwargs, self.call_shared)
+            self._current = self._verify(call)
+            action = self._admission(call) if self._current[0] is None else None
+            if action is not None:
+                with self.keeping(action):
+                    return self(*args, **kwargs)
         try:
             with self._routed():
                 return self.backbone(*args, **kwargs)
@@ -132,9 +146,26 @@ class RegionalEngine:
                 return None, "a weight was written in place (through .data) since it was kept", "weights"
         return call.row_inputs, "", ""
 
+    def _admission(self, call: Call):
+        """A wrapped module's call without grad that matches no kept call: the action to keep it under, or None."""
+        if self.admit is None or self._keeping or torch.is_grad_enabled() or call.refusal is not None:
+            return None
+        return self.admit(call)
+
     def _forget(self) -> None:
+        """Drop every kept call: made with other weights, they can never be matched again."""
         self._calls, self._index = [], {}
         self._fingerprint, self._checked = None, True
+        for engine in self.engines:
+            engine.release()
+
+    @property
+    def held_bytes(self) -> int:
+        return sum(engine.held_bytes for engine in self.engines)
+
+    def release(self) -> None:
+        """Free every kept call now."""
+        self._forget()
 
     @contextlib.contextmanager
     def _routed(self):
@@ -184,15 +215,38 @@ class RegionalEngine:
         for engine in self.engines:
             engine.log = self.log
 
-    def end_step(self) -> dict:
-        """The step's statistics: calls count block calls; the bytes held are each block's peak, summed."""
-        self._forget()
+    def take_stats(self) -> dict:
+        """Since the last time: calls (block calls) served and recomputed and why; the bytes held, each block's
+        peak summed; the check time."""
         stats = self.log.stats()
-        blocks = [engine.end_step() for engine in self.engines]
+        blocks = [engine.take_stats() for engine in self.engines]
         for name in (self.schedule.held, "check_seconds"):
             stats[name] = sum(s[name] for s in blocks)
         self._share_log()
         return stats
+
+    def end_step(self) -> dict:
+        """The step's statistics (:meth:`take_stats`); everything kept is freed."""
+        stats = self.take_stats()
+        self._forget()
+        for engine in self.engines:
+            engine.peak_bytes = 0
+        return stats
+
+
+def transformer_blocks(module: torch.nn.Module) -> list[torch.nn.Module]:
+    """The blocks of ``module``'s outermost stacks of identical blocks: every ``nn.ModuleList`` whose modules are
+    all of one class, outside any other such list (diffusers' ``transformer_blocks``, ``single_transformer_blocks``
+    and ``blocks``; a causal LM's ``layers``). Lists of mixed modules (an attention's output projection and its
+    dropout) are not blocks."""
+    stacks: list[str] = []
+    blocks = []
+    for name, child in module.named_modules():
+        if (isinstance(child, torch.nn.ModuleList) and len(child) and len({type(m) for m in child}) == 1
+                and not any(name.startswith(f"{outer}.") for outer in stacks)):
+            stacks.append(name)
+            blocks += list(child)
+    return blocks
 
 
 def structure(module: torch.nn.Module) -> tuple:
