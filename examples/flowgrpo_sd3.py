@@ -5,8 +5,8 @@ a denoising loop under ``torch.no_grad()`` with classifier-free guidance by batc
 its log-probability; the update calls the transformer again on the stored latents of every trained step, adds a
 KL term to the adapter-disabled reference, and clips then steps the optimizer twice per rollout.
 
-Using leancompile changes one line of the loop (marked ``# leancompile``): the transformer is wrapped after the
-optimizer is made; under ``Config(schedule="reweight")`` three more lines hand the loss of the micro-steps before
+Using leancompile changes two lines of the loop (marked ``# leancompile``): the transformer is wrapped after the
+optimizer is made, with the hint that the update trains the first ``train_steps`` steps of each batch; under ``Config(schedule="reweight")`` three more lines hand the loss of the micro-steps before
 the first optimizer step to ``provisional``. Run ``python examples/flowgrpo_sd3.py [--native]``.
 """
 from __future__ import annotations
@@ -54,7 +54,8 @@ class Loop:
         self.transformer = get_peft_model(base.model, lora).to(c.device)
         self.optimizer = torch.optim.AdamW([p for p in self.transformer.parameters() if p.requires_grad], lr=1e-3)
         if use_leancompile:
-            self.transformer = leancompile.wrap(self.transformer, schedule=c.schedule)  # leancompile
+            self.transformer = leancompile.wrap(self.transformer, schedule=c.schedule,  # leancompile
+                                                trained=lambda n: n % c.num_steps < c.train_steps)  # leancompile
         text = base.dummy_conditioning(c.prompts + 1, torch.Generator().manual_seed(c.seed), dtype=c.dtype)
         text_embeds, pooled = text.text.to(c.device), text.pooled.to(c.device)
         self.embeds, self.pooled = text_embeds[1:], pooled[1:]

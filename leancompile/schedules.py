@@ -6,7 +6,7 @@ trainer (the analyses' records in hand), its ``estimate`` is the cost planner's 
 engine that runs it (:mod:`leancompile.runtime`). A refused schedule falls back to its ``fallback``.
 
 A new schedule takes three files: its member of :class:`~leancompile.plan.Schedule`, its runtime (a
-:class:`~leancompile.runtime.engine.ReuseSchedule`: what a kept call keeps per row, and how a served call's
+:class:`~leancompile.runtime.engine.ScheduleRuntime`: what a kept call keeps per row, and how a served call's
 backward turns its cotangent into gradients), and its :class:`ScheduleSpec` in ``SCHEDULES`` below.
 """
 from __future__ import annotations
@@ -22,7 +22,7 @@ from . import passes
 from .cost.planner import Estimate, Estimator, StepModel, all_steps, estimate_retain, estimate_reweight, format_bytes
 from .plan import Action, Linearity, Refusal, Schedule, StepAction
 from .runtime.bitwise import BitwiseRetain
-from .runtime.engine import ReuseEngine, ReuseSchedule
+from .runtime.engine import ReuseEngine, ScheduleRuntime
 from .runtime.regional import RegionalEngine
 from .runtime.retain import Retain
 from .runtime.reweight import Reweight
@@ -84,7 +84,7 @@ class ScheduleSpec:
     refusal: Callable[[Analyses], str | None]  # why it cannot give native's gradient here (None: it can)
     estimate: Estimator  # the planner's prediction of its step
     build: Callable[[Analyses, tuple[StepAction, ...]], Built]  # given the planner's actions per trained step
-    runtime: Callable[..., ReuseSchedule]  # what kept calls keep and how served calls' backwards run
+    runtime: Callable[..., ScheduleRuntime]  # what kept calls keep and how served calls' backwards run
     fallback: Schedule = Schedule.NATIVE  # what runs where it is refused
 
 
@@ -239,7 +239,7 @@ class Graphs(dict):
         return [self[name] for name in self]
 
 
-def _engine(trainer, schedule: ReuseSchedule, steps, request: Request, history: passes.PassHistory,
+def _engine(trainer, schedule: ScheduleRuntime, steps, request: Request, history: passes.PassHistory,
             per_block: bool = False):
     """The engine for ``trainer``'s backbone: one per-row backbone per activation budget the plan uses, or with
     ``per_block`` (Retain) one engine per transformer block (FSDP2's own gathers kept, see runtime.regional)."""

@@ -36,7 +36,8 @@ from .runtime.reweight import ProvisionalRows, Reweight
 from .runtime.rowwise import RowwiseBackbone
 from .schedules import SCHEDULES
 
-WRAP_SCHEDULES = tuple(str(name) for name in SCHEDULES)
+AUTO = "auto"
+WRAP_SCHEDULES = (AUTO, *(str(name) for name in SCHEDULES))
 # Keyword arguments of diffusers transformers shared by every row whatever their length (position ids).
 SHARED_ARGUMENTS = ("img_ids", "txt_ids")
 
@@ -44,24 +45,38 @@ SHARED_ARGUMENTS = ("img_ids", "txt_ids")
 @dataclass
 class _Admission:
     """Which calls without grad are kept: those of a rollout (from a change of the weights to the next call with
-    grad: a reference model's calls inside the update are not), while the kept calls hold less than ``limit`` bytes
-    (read from the device's free memory at the first call when not given; the last call kept may pass it by its own
-    size)."""
+    grad: a reference model's calls inside the update are not) that ``trained`` allows, while the kept calls hold
+    less than ``limit`` bytes (read from the device's free memory at the first call when not given; the last call
+    kept may pass it by its own size). Past the limit, ``overflow`` (auto: offload to host memory where the device
+    has its own, while the host has room) or nothing."""
 
     engine: ReuseEngine
     action: StepAction
     limit: int | None
+    trained: Callable[[int], bool] | None = None  # by the call's number in its rollout: whether an update trains it
+    overflow: StepAction | None = None
     share: float = 0.5  # of the free memory, when no limit is given: the update's own activations need the rest
     closed_at: tuple | None = None  # the weights' versions when a call with grad closed the rollout
+    calls: int = 0  # calls of this rollout asked about so far
+    host_limit: int | None = None  # bytes the overflow may hold in host memory
 
     def __call__(self, call: Call) -> StepAction | None:
         if self.closed_at is not None:
             if self.engine.reader.versions() == self.closed_at:
                 return None
-            self.closed_at = None  # the weights changed since: a new rollout
+            self.closed_at, self.calls = None, 0  # the weights changed since: a new rollout
+        number, self.calls = self.calls, self.calls + 1
+        if self.trained is not None and not self.trained(number):
+            return None
         if self.limit is None:
             self.limit = int(free_memory(call.device) * self.share)
-        return self.action if self.engine.held_bytes < self.limit else None
+        if self.engine.held_bytes < self.limit:
+            return self.action
+        if self.overflow is None or call.device.type == "cpu":  # the host's memory is the device's
+            return None
+        if self.host_limit is None:
+            self.host_limit = int(free_memory(torch.device("cpu")) * self.share)
+        return self.overflow if self.engine.held_bytes < self.limit + self.host_limit else None
 
     def close(self) -> None:
         """A call with grad: the rollout is over until the weights change."""
@@ -132,7 +147,7 @@ class Wrapped(torch.nn.Module):
 
 def wrap(module: torch.nn.Module, schedule: str = "retain", memory_limit: int | None = None,
          shared: tuple[str, ...] = SHARED_ARGUMENTS, tune_matmuls: bool = True, bitwise: bool = False,
-         per_block: bool | None = None) -> Wrapped:
+         per_block: bool | None = None, trained: Callable[[int], bool] | None = None) -> Wrapped:
     """Wrap ``module`` so that its calls with grad are served from its earlier calls without grad where that is
     verified to compute the same thing.
 
@@ -143,8 +158,11 @@ def wrap(module: torch.nn.Module, schedule: str = "retain", memory_limit: int | 
             tree (``return_dict=False``'s tuple, a model output without a cache: pass ``use_cache=False`` to a
             causal LM).
         schedule: ``"retain"`` keeps the kept calls' activations on the device, ``"offload"`` in host memory;
-            ``"reweight"`` turns them into per-row gradients when the loop calls ``wrapped.provisional(head)``.
-        memory_limit: bytes the kept calls may hold (default: half the device's free memory at the first call).
+            ``"reweight"`` turns them into per-row gradients when the loop calls ``wrapped.provisional(head)``;
+            ``"auto"`` retains while the kept calls fit in ``memory_limit``, then offloads where the device has a
+            memory of its own (CUDA: the host's has room), else runs the rest natively.
+        memory_limit: bytes the kept calls may hold on the device (default: half the device's free memory at the
+            first call).
         shared: keyword arguments that every row shares whatever their leading size (tensors whose leading size
             differs from the batch's are shared anyway).
         tune_matmuls: as in :func:`leancompile.optimize`.
@@ -157,6 +175,11 @@ def wrap(module: torch.nn.Module, schedule: str = "retain", memory_limit: int | 
             gathers and reduce-scatters run as they do natively: a module sharded with ``fully_shard`` is never
             gathered whole. ``None``: per block when a submodule of ``module`` is sharded by FSDP2. Retain and
             Offload only.
+        trained: a hint where the loop knows which of a rollout's calls its update will train: ``trained(n)`` for
+            the rollout's n-th call without grad (from 0, counted from the first call after the weights changed),
+            False for a call that is not to be kept (FlowGRPO's steps past the first k of each sample batch:
+            ``lambda n: n % num_steps < k``). None: every call is kept while they fit (DanceGRPO draws its trained
+            steps after the rollout).
 
     Returns:
         The wrapped module; put it where the module was (inside ``DistributedDataParallel`` too).
@@ -167,6 +190,8 @@ def wrap(module: torch.nn.Module, schedule: str = "retain", memory_limit: int | 
         raise ValueError("module is already wrapped: wrap the module once (wrapped.module is the original)")
     if schedule not in WRAP_SCHEDULES:
         raise ValueError(f"schedule must be one of {WRAP_SCHEDULES} for a wrapped module; got {schedule!r}")
+    if trained is not None and not callable(trained):
+        raise ValueError(f"trained must be a callable trained(n) -> bool on a rollout's n-th call; got {trained!r}")
     if memory_limit is not None and (not isinstance(memory_limit, int) or memory_limit <= 0):
         raise ValueError(f"memory_limit must be a positive number of bytes; got {memory_limit!r}")
     if isinstance(shared, str) or not all(isinstance(name, str) for name in shared):
@@ -175,6 +200,9 @@ def wrap(module: torch.nn.Module, schedule: str = "retain", memory_limit: int | 
         raise ValueError(f"tune_matmuls must be True or False; got {tune_matmuls!r}")
     if not isinstance(bitwise, bool):
         raise ValueError(f"bitwise must be True or False; got {bitwise!r}")
+    auto = schedule == AUTO
+    if auto:  # Retain's runtime: a call kept past the memory limit waits in host memory (offload)
+        schedule = str(Schedule.RETAIN)
     if bitwise and schedule != "retain":
         raise ValueError(f"bitwise=True keeps eager graphs on the device: it needs schedule='retain', got "
                          f"schedule={schedule!r}")
@@ -199,5 +227,7 @@ def wrap(module: torch.nn.Module, schedule: str = "retain", memory_limit: int | 
         engine = ReuseEngine(module, BitwiseRetain() if bitwise else runtime(),
                              {1.0: RowwiseBackbone(module, tune_matmuls=tune_matmuls)}, shared=frozenset(shared))
     action = StepAction(0, Action(schedule), "a call without grad of the wrapped module that matches no kept call")
-    engine.admit = _Admission(engine, action, memory_limit)
+    overflow = (StepAction(0, Action.OFFLOAD, "a kept call past the device's memory limit")
+                if auto and not bitwise else None)
+    engine.admit = _Admission(engine, action, memory_limit, trained, overflow)
     return Wrapped(module, engine)

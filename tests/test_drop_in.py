@@ -70,6 +70,42 @@ def test_a_wrapped_loop_trains_exactly_as_its_native_version(name):
 
 
 @pytest.mark.parametrize("name", LOOPS)
+def test_under_auto_a_loop_trains_exactly_and_serves_what_retain_serves(name):
+    loop_class, config, served = LOOPS[name]
+    _, _, native_grads = _run(loop_class, config, False)
+    wrapped, _, grads = _run(loop_class, dataclasses.replace(config, schedule="auto"), True)
+    for g, g_native in zip(grads, native_grads, strict=True):
+        assert _relative(g, g_native) <= 1e-10
+    assert trained_module(wrapped).stats()["served_calls"] == served
+
+
+def test_auto_past_the_memory_limit_runs_the_rest_natively_on_the_cpu(monkeypatch):
+    """The first call kept passes a one-byte limit; the host's memory is the CPU's, so nothing is offloaded and the
+    update's other calls recompute, exact."""
+    monkeypatch.setattr(leancompile, "wrap", functools.partial(leancompile.wrap, memory_limit=1))
+    loop_class, config, _ = LOOPS["dancegrpo_flux"]
+    _, _, native_grads = _run(loop_class, config, False, steps=1)
+    wrapped, _, grads = _run(loop_class, dataclasses.replace(config, schedule="auto"), True, steps=1)
+    assert _relative(grads[0], native_grads[0]) <= 1e-10
+    module = trained_module(wrapped)
+    kept = [r for r in module.last_calls if r.action == "kept"]
+    assert [r.reason for r in kept] == ["retain"]
+    stats = module.stats()
+    assert stats["recomputed_calls"] > stats["served_calls"] and stats["recompute_reasons"].keys() <= {"inputs"}
+
+
+def test_the_trained_hint_keeps_only_the_calls_the_update_trains():
+    """FlowGRPO-style: the update trains the first ``train_steps`` steps of each sampling batch, and says so; the
+    rollout's other calls run natively and keep nothing."""
+    loop_class, config, served = LOOPS["flowgrpo_sd3"]
+    wrapped, _, _ = _run(loop_class, config, True, steps=1)
+    kept = [r for r in trained_module(wrapped).last_calls if r.action == "kept"]
+    batches = config.prompts * config.group // config.sample_batch
+    assert len(kept) == batches * config.train_steps < batches * config.num_steps
+    assert trained_module(wrapped).stats()["served_calls"] == served // 2  # one of the two GRPO steps
+
+
+@pytest.mark.parametrize("name", LOOPS)
 def test_a_loop_wrapped_per_block_trains_exactly_as_its_native_version(name, monkeypatch):
     """Each block's calls kept and served by an engine of its own, the module around them run natively (what wrap
     does under FSDP2). FlowGRPO-style's rollout runs in ``eval()`` and its update in ``train()``: the calls'
@@ -176,6 +212,7 @@ def test_a_call_the_engine_cannot_keep_runs_natively_and_says_why():
     (dict(module=torch.nn.Linear(2, 2), memory_limit=-1), "memory_limit must be a positive"),
     (dict(module=torch.nn.Linear(2, 2), shared="img_ids"), "shared must be a tuple"),
     (dict(module=torch.nn.Linear(2, 2), per_block="yes"), "per_block must be True, False or None"),
+    (dict(module=torch.nn.Linear(2, 2), trained=3), "trained must be a callable"),
     (dict(module=torch.nn.Linear(2, 2), per_block=True), "Linear has no stack of identical blocks"),
     (dict(module=torch.nn.Sequential(torch.nn.ModuleList([torch.nn.Linear(2, 2)])), per_block=True,
           schedule="reweight"), "per_block=True serves each block's input gradient"),

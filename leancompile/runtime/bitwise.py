@@ -22,7 +22,7 @@ import torch
 
 from ..backbones.checkpointing import without_checkpointing
 from .calls import Call, output_layout
-from .engine import KeptCall, Match, ReuseEngine, ReuseSchedule
+from .engine import KeptCall, Match, ReuseEngine, ScheduleRuntime
 
 
 @dataclass
@@ -31,7 +31,7 @@ class KeptGraph:
     nbytes: int  # what the graph holds besides the weights
 
 
-class BitwiseRetain(ReuseSchedule):
+class BitwiseRetain(ScheduleRuntime):
     name = "retain, bitwise"
     held = "retained_bytes"
 

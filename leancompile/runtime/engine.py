@@ -101,7 +101,7 @@ class StepLog:
                 "recompute_reasons": dict(Counter(r.kind for r in self.records if r.action == "recomputed"))}
 
 
-class ReuseSchedule:
+class ScheduleRuntime:
     """What a schedule (Retain, Reweight) adds to the engine: what it keeps per row and how a served call's
     backward turns the call's cotangent into parameter gradients."""
 
@@ -142,7 +142,7 @@ class ReuseEngine:
     """Routes the calls of one module (``backbone``; any arguments, see :mod:`.calls`) through kept calls of
     ``schedule``."""
 
-    def __init__(self, backbone, schedule: ReuseSchedule, rowwise: dict[float, RowwiseBackbone], sync=None,
+    def __init__(self, backbone, schedule: ScheduleRuntime, rowwise: dict[float, RowwiseBackbone], sync=None,
                  shared: frozenset[str] = frozenset(), native=None):
         self.backbone = backbone
         # What runs a call natively: the module, or (a block whose forward routes to this engine) its own forward
@@ -166,7 +166,7 @@ class ReuseEngine:
         self.identity = None
         self._leaves: list | None = None  # while provisional loss heads run: the leaves handed out
         # While one head runs: the kept rows (id of the call, row) its calls were answered with. Equal samples each
-        # get their own kept row, as the update's calls will (see ReuseSchedule.available).
+        # get their own kept row, as the update's calls will (see ScheduleRuntime.available).
         self._answered: set = set()
         self._fingerprint = None  # of the weights when the first call was kept; checked at the first lookup
         self._checked = True

@@ -36,7 +36,7 @@ from torch.utils import _pytree as pytree
 from ..backbones.plain import plain_copy
 from ..passes.pipeline import PassHistory
 from .calls import Call
-from .engine import KeptCall, ReuseEngine, ReuseSchedule, StepLog
+from .engine import KeptCall, ReuseEngine, ScheduleRuntime, StepLog
 from .identity import StateReader, row_keys
 from .rowwise import RowwiseBackbone
 
@@ -48,7 +48,7 @@ class RegionalEngine:
     """The backbone's calls run natively with each block's calls routed through the block's own engine."""
 
     def __init__(self, backbone: torch.nn.Module, blocks: list[torch.nn.Module],
-                 schedule: Callable[[], ReuseSchedule], tune_matmuls: bool = True, history: PassHistory | None = None,
+                 schedule: Callable[[], ScheduleRuntime], tune_matmuls: bool = True, history: PassHistory | None = None,
                  shared: tuple[str, ...] = (), call_shared: frozenset[str] = frozenset()):
         """``schedule`` makes each block's schedule; it must serve calls whose inputs require grad (Retain).
         ``shared``: the blocks' arguments that every row shares whatever their leading size (a family's

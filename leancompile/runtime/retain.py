@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from ..plan import Action
-from .engine import KeptCall, Match, ReuseEngine, RowPick, ReuseSchedule
+from .engine import KeptCall, Match, ReuseEngine, RowPick, ScheduleRuntime
 
 
 @dataclass
@@ -23,7 +23,7 @@ class RetainedRows:
     position: list[int]  # per row of the call: its row in ``saved`` (-1: pruned, nothing kept)
 
 
-class Retain(ReuseSchedule):
+class Retain(ScheduleRuntime):
     name = "retain"
     held = "retained_bytes"
     input_gradients = True  # the per-row backward returns each row's input gradient too (blocks: see .regional)

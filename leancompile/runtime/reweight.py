@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .engine import KeptCall, Match, ReuseEngine, ReuseSchedule
+from .engine import KeptCall, Match, ReuseEngine, ScheduleRuntime
 
 
 @dataclass
@@ -32,7 +32,7 @@ def span_tolerance(dtype: torch.dtype) -> float:
     return 1024 * torch.finfo(dtype).eps
 
 
-class Reweight(ReuseSchedule):
+class Reweight(ScheduleRuntime):
     name = "reweight"
     held = "buffer_bytes"
 
