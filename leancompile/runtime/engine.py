@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .calls import Call, OutputLayout, output_layout
-from .identity import TRAINING_FLAGS, CallState, StateReader, row_keys
+from .identity import DIFFERENCES, TRAINING_FLAGS, CallState, StateReader, row_keys
 from .rowwise import RowwiseBackbone
 
 
@@ -348,8 +348,10 @@ class ReuseEngine:
         if len(places) < len(keys):
             if differences["used"]:
                 return None, "every kept row with these inputs has served its call", "used"
-            kind = differences.most_common(1)[0][0]
-            return None, f"the kept call with these inputs differs in {kind}", kind
+            # The nearest kept call's difference (the one agreeing in the most fields): a KL reference's kept values
+            # differ in adapters, the rollout's call after an optimizer step in weights, which is the reason.
+            kind = max(differences, key=[kind for kind, _ in DIFFERENCES].index)
+            return None, f"the nearest kept call with these inputs differs in {kind}", kind
         match = Match(tuple(places))
         for kept, rows, positions in match.by_call():
             here, there = RowPick(positions), RowPick(rows)

@@ -26,6 +26,11 @@ _REQUIRES_GRAD = operator.attrgetter("requires_grad")
 _VERSION = operator.attrgetter("_version")
 
 
+# The kinds in which two call states can differ, each with the CallState field it compares, in the order checked.
+DIFFERENCES = (("inputs", "signature"), ("autocast", "autocast"), ("module state", "modules"),
+               ("weights", "versions"), (TRAINING_FLAGS, "training"))
+
+
 @dataclass(frozen=True)
 class CallState:
     """A call's state besides its inputs' values; two calls may share rows only when their states are equal."""
@@ -40,8 +45,7 @@ class CallState:
         """The first kind in which ``other`` differs (None when equal): the reason a call recomputes. Training
         flags come last: calls that differ only there compute the same thing where both flags' programs are the
         same graph (no dropout, nothing else that reads them), which the engine checks."""
-        for kind, field in (("inputs", "signature"), ("autocast", "autocast"), ("module state", "modules"),
-                            ("weights", "versions"), (TRAINING_FLAGS, "training")):
+        for kind, field in DIFFERENCES:
             if getattr(self, field) != getattr(other, field):
                 return kind
         return None
