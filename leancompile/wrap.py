@@ -61,6 +61,8 @@ class _Admission:
     host_limit: int | None = None  # bytes the overflow may hold in host memory
 
     def __call__(self, call: Call) -> StepAction | None:
+        if self.engine.answering_with_leaves_now:  # a provisional head's call (a KL reference): its values are kept
+            return None
         if self.closed_at is not None:
             if self.engine.reader.versions() == self.closed_at:
                 return None

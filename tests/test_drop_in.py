@@ -277,8 +277,10 @@ REWEIGHT_LOOPS = {"flowgrpo_sd3": (dict(sizes=(("qk_norm", None),)), 1e-10),
 
 @pytest.mark.parametrize("name", LOOPS)
 def test_a_wrapped_loop_under_reweight_trains_as_its_native_version(name):
-    """The same calls are served as under Retain (FlowGRPO-style: those before the first optimizer step, the only
-    ones its head covers); the kept calls no head reaches (a step DanceGRPO does not train) are freed unused."""
+    """The same calls with grad are served as under Retain (FlowGRPO-style: those before the first optimizer step,
+    the only ones its head covers); the kept calls no head reaches (a step DanceGRPO does not train) are freed
+    unused. A KL reference's calls in the heads are not kept as rollout calls: their values are, and the second
+    head and the update are served them."""
     loop_class, config, served = LOOPS[name]
     changes, tolerance = REWEIGHT_LOOPS[name]
     config = dataclasses.replace(config, schedule="reweight", **changes)
@@ -287,7 +289,12 @@ def test_a_wrapped_loop_under_reweight_trains_as_its_native_version(name):
     assert rewards == pytest.approx(native_rewards, rel=1e-6)
     for g, g_native in zip(grads, native_grads, strict=True):
         assert _relative(g, g_native) <= tolerance
-    assert trained_module(wrapped).stats()["served_calls"] == served
+    records = trained_module(wrapped).last_calls
+    assert sum(r.action == "served" for r in records) == served
+    if getattr(config, "beta", 0):  # the heads' KL reference calls: values kept, never admitted as rollout calls
+        assert not any(r.action == "not kept" for r in records)
+        # Each served micro-step's reference call is served the values, and so is the second head's.
+        assert sum(r.action == "served values" for r in records) == 2 * served
 
 
 def test_a_reweight_head_that_is_not_the_updates_loss_recomputes_every_call():
