@@ -109,7 +109,7 @@ def test_retain_equals_native_in_float64(case):
 
 
 @given(case=configurations())
-@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=2, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 def test_offload_equals_native_in_float64(case):
     """Offload is Retain whose kept saved tensors wait in host memory (on a CPU trainer, where they are)."""
     family, config = case
