@@ -95,8 +95,8 @@ def optimize(trainer, schedule: str = "auto", memory_budget: float | None = None
                       tune_matmuls, bitwise)
     check_protocol(trainer)
     history = passes.PassHistory()
-    # Analysed and compiled on the weights a rewritten step runs on (FSDP2: gathered whole, see trainers.parallel).
-    with trainer.sync.whole_weights(trainer) as (backbone, trainable):
+    # Traced and analysed on the whole weights' shapes (FSDP2: fake tensors, nothing gathered; trainers.parallel).
+    with trainer.sync.analysis_weights(trainer) as (backbone, trainable):
         subject = trainer if backbone is trainer.backbone else _on_weights(trainer, backbone, trainable)
         programs = history.analyse("capture", "trainer", passes.capture, subject,
                                    found=lambda p: f"rollout {len(p.rollout.graph.nodes)} nodes, "

@@ -255,10 +255,14 @@ def _engine(trainer, schedule: ScheduleRuntime, steps, request: Request, history
         blocks = [block for _, stack in backbone.block_stacks() for block in stack]
         return RegionalEngine(backbone, blocks, lambda: Retain(schedule.segments, schedule.pruned),
                               request.tune_matmuls, history, shared=backbone.spec.block_shared)
+    # The whole call runs on the weights the step runs on: the trainer's, or under FSDP2 its gathered copy (the
+    # analyses ran on fake ones).
+    with trainer.sync.whole_weights(trainer) as (backbone, _):
+        pass
     fractions = {s.fraction for s in steps if s.keeps} | {1.0}
-    rowwise = {f: RowwiseBackbone(trainer.backbone, f, tune_matmuls=request.tune_matmuls, history=history)
+    rowwise = {f: RowwiseBackbone(backbone, f, tune_matmuls=request.tune_matmuls, history=history)
                for f in sorted(fractions)}
-    return ReuseEngine(trainer.backbone, schedule, rowwise, sync=trainer.sync)
+    return ReuseEngine(backbone, schedule, rowwise, sync=trainer.sync)
 
 
 _HOW = {Action.RETAIN: "the rollout keeps its activations for the update's calls",

@@ -68,8 +68,10 @@ def _worker(rank, port, cases, out):
     results = {}
     for case in cases:
         trainer = _build("sd3", case.rank_config())
+        before = trainer.sync.gathers
         if case.schedule != "native":
             trainer = optimize(trainer, schedule=case.schedule)
+        compile_gathers = trainer.sync.gathers - before
         grads = []
         trainer.optimizer.register_step_pre_hook(
             lambda *_: grads.append(_full(trainer, [p.grad for p in trainer.trainable])))
@@ -78,7 +80,7 @@ def _worker(rank, port, cases, out):
             stats = trainer.step(case.prompts(rank))
         plan = getattr(trainer, "plan", None)
         results[case.name] = dict(stats=stats, weights=_full(trainer, trainer.trainable), grads=grads,
-                                  per_block=getattr(trainer.sync, "per_block", False),
+                                  per_block=getattr(trainer.sync, "per_block", False), compile_gathers=compile_gathers,
                                   schedule=str(plan.schedule) if plan else "native", choice=plan.choice if plan else "",
                                   # this rank's peak: static (its shards), autograd's saved tensors, what the engine kept
                                   peak=static_bytes(trainer) + tracker.peak + stats.get("retained_bytes", 0))
@@ -189,6 +191,9 @@ def test_fsdp_retain_runs_per_block_under_fsdp2s_own_gathers(ranks):
         assert retain["gradient_collectives"] == native["gradient_collectives"]
         assert retain["served_calls"] > 0 and retain["recomputed_calls"] == 0
         assert rank["fsdp-retain"]["per_block"] and not rank["fsdp-reweight"]["per_block"]
+        # optimize() traces and analyses on fake whole weights: per block, nothing is gathered before the step;
+        # Reweight, which runs on the whole weights, gathers them once to build its engine on them.
+        assert rank["fsdp-retain"]["compile_gathers"] == 0 < rank["fsdp-reweight"]["compile_gathers"]
 
 
 def test_peak_memory_per_rank_is_within_ten_percent_of_the_planners(ranks):

@@ -26,3 +26,20 @@ def plain_copy(module: torch.nn.Module) -> torch.nn.Module:
         kept = type(hooks)((k, h) for k, h in hooks.items() if not isinstance(getattr(h, "__self__", None), FSDPState))
         setattr(plain, name, kept)
     return plain
+
+
+def with_fake_weights(module: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+    """:func:`plain_copy` of ``module`` whose parameters are fake tensors of the whole parameters' shapes (a
+    sharded DTensor's global shape) on ``device``, all of one ``FakeTensorMode``: tracing reads shapes, dtypes and
+    devices, never values, so nothing is gathered. Buffers stay as they are (FSDP2 does not shard them)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    plain = plain_copy(module)
+    for child in plain.modules():
+        for name, p in child._parameters.items():
+            if p is not None:
+                meta = torch.empty(p.shape, dtype=p.dtype, device="meta")
+                fake = mode.fake_tensor_converter.from_meta_and_device(mode, meta, device)
+                child._parameters[name] = torch.nn.Parameter(fake, p.requires_grad)
+    return plain

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 from ..backbones import Conditioning
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -152,8 +152,9 @@ def _fake_copy(backbone, mode: FakeTensorMode, device_type: str):
             for name, t in store.items():
                 if t is None:
                     continue
-                if t.is_meta:
-                    f = converter.from_meta_and_device(mode, t, device)
+                if t.is_meta or isinstance(t, FakeTensor):  # a fake of another mode (trainers.parallel): its shape
+                    meta = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
+                    f = converter.from_meta_and_device(mode, meta, device)
                 else:
                     f = mode.from_tensor(t.detach())
                 store[name] = torch.nn.Parameter(f, t.requires_grad) if isinstance(t, torch.nn.Parameter) else f

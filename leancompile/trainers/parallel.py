@@ -16,7 +16,8 @@ by the engine's own collectives:
 
   A Retain step planned per transformer block runs so instead (``per_block``, set by :func:`leancompile.optimize`;
   :mod:`leancompile.runtime.regional`): FSDP2's own hooks gather each block's weights and reduce-scatter its
-  gradients, as natively.
+  gradients, as natively. The passes trace and analyse a copy with fake whole weights
+  (:meth:`FSDPSync.analysis_weights`), so compiling gathers nothing.
 
 ``backward(sync)`` is the one switch: the trainer syncs the last backward before each optimizer step. The sync
 counts what it did: ``syncs`` (backwards that synchronised), ``collectives`` (DDP bucket all-reduces, FSDP
@@ -29,7 +30,7 @@ import contextlib
 import torch
 import torch.distributed as dist
 
-from ..backbones.plain import plain_copy
+from ..backbones.plain import plain_copy, with_fake_weights
 
 
 class GradientSync:
@@ -68,6 +69,12 @@ class GradientSync:
     @contextlib.contextmanager
     def whole_weights(self, trainer):
         """The backbone and trainable weights a rewritten step runs on: the trainer's own (one process, DDP)."""
+        yield trainer.backbone, trainer.trainable
+
+    @contextlib.contextmanager
+    def analysis_weights(self, trainer):
+        """The backbone and trainable weights the passes trace and analyse (shapes, never values): the trainer's
+        own (one process, DDP)."""
         yield trainer.backbone, trainer.trainable
 
     def weights_changed(self) -> None:
@@ -163,6 +170,14 @@ class FSDPSync(GradientSync):
     def flush(self, parameters):
         with self.backward(True):
             pass
+
+    @contextlib.contextmanager
+    def analysis_weights(self, trainer):
+        """A copy of the backbone with fake whole weights: the analyses gather nothing, and a step run per block
+        never holds the whole model (a schedule that runs on the whole weights gathers them when it runs)."""
+        view = with_fake_weights(self.root, self.root_device)
+        named = dict(view.named_parameters())
+        yield view, [named[n] for n in trainer.trainable_names]
 
     @contextlib.contextmanager
     def whole_weights(self, trainer):
