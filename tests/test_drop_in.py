@@ -48,6 +48,14 @@ def _run(loop_class, config, use_leancompile: bool, steps: int = 2):
     return loop, rewards, applied
 
 
+@functools.lru_cache(maxsize=None)
+def _native(loop_class, config, steps: int = 2):
+    """The native loop's rewards and applied gradients, run once per process for each wrapped run compared to them
+    (the native loop reads no schedule)."""
+    _, rewards, grads = _run(loop_class, dataclasses.replace(config, schedule="retain"), False, steps)
+    return rewards, grads
+
+
 def _relative(a, b) -> float:
     assert b.norm() > 0, "a zero gradient tells nothing"
     return float((a - b).norm() / b.norm())
@@ -72,7 +80,7 @@ def test_a_wrapped_loop_trains_exactly_as_its_native_version(name):
 @pytest.mark.parametrize("name", LOOPS)
 def test_under_auto_a_loop_trains_exactly_and_serves_what_retain_serves(name):
     loop_class, config, served = LOOPS[name]
-    _, _, native_grads = _run(loop_class, config, False)
+    _, native_grads = _native(loop_class, config)
     wrapped, _, grads = _run(loop_class, dataclasses.replace(config, schedule="auto"), True)
     for g, g_native in zip(grads, native_grads, strict=True):
         assert _relative(g, g_native) <= 1e-10
@@ -84,7 +92,7 @@ def test_auto_past_the_memory_limit_runs_the_rest_natively_on_the_cpu(monkeypatc
     update's other calls recompute, exact."""
     monkeypatch.setattr(leancompile, "wrap", functools.partial(leancompile.wrap, memory_limit=1))
     loop_class, config, _ = LOOPS["dancegrpo_flux"]
-    _, _, native_grads = _run(loop_class, config, False, steps=1)
+    _, native_grads = _native(loop_class, config, 1)
     wrapped, _, grads = _run(loop_class, dataclasses.replace(config, schedule="auto"), True, steps=1)
     assert _relative(grads[0], native_grads[0]) <= 1e-10
     module = trained_module(wrapped)
@@ -113,7 +121,7 @@ def test_a_loop_wrapped_per_block_trains_exactly_as_its_native_version(name, mon
     are not compared) they recompute, exact."""
     monkeypatch.setattr(leancompile, "wrap", functools.partial(leancompile.wrap, per_block=True))
     loop_class, config, served = LOOPS[name]
-    _, _, native_grads = _run(loop_class, config, False)
+    _, native_grads = _native(loop_class, config)
     wrapped, _, grads = _run(loop_class, config, True)
     for g, g_native in zip(grads, native_grads, strict=True):
         assert _relative(g, g_native) <= 1e-10
@@ -133,7 +141,7 @@ def test_llm_loop_at_any_rollout_and_micro_batch(prompts, group, micro, clip, se
     """The update's micro-batches hold any rows of the rollout's one call: each is served from those rows."""
     config = grpo_llm.Config(prompts=prompts, group=group, micro_batch=micro, clip=clip, seed=seed,
                              dtype=torch.float64)
-    _, _, native_grads = _run(DenseRewardLLM, config, False, steps=1)
+    _, native_grads = _native(DenseRewardLLM, config, 1)
     wrapped, _, grads = _run(DenseRewardLLM, config, True, steps=1)
     assert _relative(grads[0], native_grads[0]) <= 1e-10
     assert wrapped.model.stats()["served_calls"] == -(-prompts * group // micro)  # one per micro-batch
@@ -143,7 +151,7 @@ def test_under_bf16_autocast_the_served_gradient_points_where_natives_does():
     """The loop's forwards under bf16 autocast: the kept call is compiled under it too; the gradient rounds
     differently from eager's, in the last bits."""
     config = grpo_llm.Config(prompts=4, group=4, micro_batch=8, autocast=torch.bfloat16)
-    _, _, native_grads = _run(DenseRewardLLM, config, False, steps=1)
+    _, native_grads = _native(DenseRewardLLM, config, 1)
     wrapped, _, grads = _run(DenseRewardLLM, config, True, steps=1)
     cosine = torch.nn.functional.cosine_similarity(grads[0], native_grads[0], dim=0)
     assert cosine >= 0.999, float(cosine)
@@ -167,7 +175,7 @@ def test_with_dropout_the_update_in_train_mode_recomputes_what_the_rollout_ran_i
             torch.manual_seed(1)  # dropout's draws: the same in both runs
             return super().step()
 
-    _, _, native_grads = _run(WithDropout, config, False, steps=1)
+    _, native_grads = _native(WithDropout, config, 1)
     wrapped, _, grads = _run(WithDropout, config, True, steps=1)
     assert _relative(grads[0], native_grads[0]) <= 1e-10
     stats = trained_module(wrapped).stats()
@@ -259,7 +267,7 @@ def test_reweight_on_a_wrapped_llm_loop_gives_natives_gradient(prompts, group, m
     every micro-batch of the update is then served from the per-row gradients."""
     config = grpo_llm.Config(prompts=prompts, group=group, micro_batch=micro, seed=seed, dtype=torch.float64,
                              schedule="reweight")
-    _, native_rewards, native_grads = _run(DenseRewardLLM, config, False)
+    native_rewards, native_grads = _native(DenseRewardLLM, config)
     wrapped, rewards, grads = _run(DenseRewardLLM, config, True)
     assert rewards == native_rewards
     for g, g_native in zip(grads, native_grads, strict=True):  # all rewards of every group equal: no gradient
@@ -284,7 +292,7 @@ def test_a_wrapped_loop_under_reweight_trains_as_its_native_version(name):
     loop_class, config, served = LOOPS[name]
     changes, tolerance = REWEIGHT_LOOPS[name]
     config = dataclasses.replace(config, schedule="reweight", **changes)
-    _, native_rewards, native_grads = _run(loop_class, config, False)
+    native_rewards, native_grads = _native(loop_class, config)
     wrapped, rewards, grads = _run(loop_class, config, True)
     assert rewards == pytest.approx(native_rewards, rel=1e-6)
     for g, g_native in zip(grads, native_grads, strict=True):
@@ -299,7 +307,7 @@ def test_a_wrapped_loop_under_reweight_trains_as_its_native_version(name):
 
 def test_a_reweight_head_that_is_not_the_updates_loss_recomputes_every_call():
     config = grpo_llm.Config(prompts=2, group=4, micro_batch=4, dtype=torch.float64, schedule="reweight")
-    _, _, native_grads = _run(DenseRewardLLM, config, False, steps=1)
+    _, native_grads = _native(DenseRewardLLM, config, 1)
     wrapped, _, grads = _run(WrongHeadLLM, config, True, steps=1)
     assert _relative(grads[0], native_grads[0]) <= 1e-10  # recomputed natively, so exact
     stats = wrapped.model.stats()
