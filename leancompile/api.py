@@ -175,11 +175,11 @@ def _compile(trainer, programs, request: Request, history: passes.PassHistory):
         chosen, planned = auto.runs, auto.steps
         analyses = dataclasses.replace(analyses, cost=cost)
     else:
-        chosen, choice, reasons = Schedule(requested), f"schedule={requested!r} requested", {
-            r.schedule: r for r in refused}
+        chosen, reasons, fallbacks = Schedule(requested), {r.schedule: r for r in refused}, []
         while chosen in reasons:  # a refused schedule falls back to its fallback, and the plan says why
-            choice, chosen = f"{reasons[chosen]}", SCHEDULES[chosen].fallback
-            choice += f" -> {chosen}"
+            fallbacks.append(f"{reasons[chosen]} -> {SCHEDULES[chosen].fallback}")
+            chosen = SCHEDULES[chosen].fallback
+        choice = "; ".join(fallbacks) or f"schedule={requested!r} requested"
         if chosen is Schedule.NATIVE:
             return _native_plan(config, requested, choice, **found), graphs, None
     built = SCHEDULES[chosen].build(analyses, planned)

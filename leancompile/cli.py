@@ -7,7 +7,7 @@ from pathlib import Path
 
 from .api import REQUESTS
 from .backbones.families import FAMILIES
-from .schedules import estimators
+from .schedules import SCHEDULES, estimators
 from .trainers import TRAINERS
 
 
@@ -24,7 +24,9 @@ def main(argv=None) -> int:
     explain.add_argument("--trainer", choices=tuple(TRAINERS), default="flowgrpo",
                          help="GRPO algorithm (default: flowgrpo)")
     explain.add_argument("--schedule", choices=REQUESTS, default="auto",
-                         help="schedule passed to optimize() (default: auto)")
+                         help="schedule passed to optimize(): auto (the planner's choice), native, or "
+                         + "; ".join(f"{name} ({spec.summary})" for name, spec in SCHEDULES.items())
+                         + " (default: auto)")
     explain.add_argument("--cfg", action="store_true", help="train with classifier-free guidance")
     explain.add_argument("--out", default="explain-out", help="output folder (default: explain-out)")
     _plan_parser(sub)

@@ -35,6 +35,17 @@ class DataParallelLLM(DenseRewardLLM):
             self.model = ddp
 
 
+def _change_in_two_steps(loop, module, local) -> torch.Tensor:
+    """The change of ``module``'s weights on this rank (``local``: a parameter's tensor here) over two GRPO steps of
+    ``loop`` with plain SGD (Adam's first steps are sign-like and would hide a gradient's difference)."""
+    loop.optimizer = torch.optim.SGD(module.parameters(), lr=0.05)
+    weights = lambda: torch.cat([local(p).detach().flatten() for p in module.parameters()])  # noqa: E731
+    start = weights()
+    for _ in range(2):
+        loop.step()
+    return weights() - start
+
+
 def _worker(rank, port, out):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
@@ -43,13 +54,8 @@ def _worker(rank, port, out):
     results = {}
     for use in (False, True):
         loop = DataParallelLLM(config, use)  # DDP broadcasts rank 0's weights
-        loop.optimizer = torch.optim.SGD(loop.model.parameters(), lr=0.05)
-        weights = lambda: torch.cat([p.detach().flatten() for p in loop.model.parameters()])  # noqa: E731
-        start = weights()
-        for _ in range(2):
-            loop.step()
-        stats = loop.model.module.stats() if use else {}
-        results[use] = (weights() - start, stats)
+        change = _change_in_two_steps(loop, loop.model, lambda p: p)
+        results[use] = (change, loop.model.module.stats() if use else {})
     torch.save(results, os.path.join(out, f"rank{rank}.pt"))
     dist.destroy_process_group()
 
@@ -110,14 +116,10 @@ def _fsdp_worker(rank, port, out):
     for use in (False, True):
         loop = FullyShardedFlux(config, use)
         module = trained_module(loop)
-        loop.optimizer = torch.optim.SGD(module.parameters(), lr=0.05)
-        shards = lambda: torch.cat([p.detach().to_local().flatten() for p in module.parameters()])  # noqa: E731
-        start = shards()
-        for _ in range(2):
-            loop.step()
+        change = _change_in_two_steps(loop, module, lambda p: p.to_local())  # this rank's shards
         stats = module.stats() if use else {}
         per_block = isinstance(module.engine, RegionalEngine) if use else False
-        results[use] = (shards() - start, stats, dict(loop.collectives), per_block)
+        results[use] = (change, stats, dict(loop.collectives), per_block)
     torch.save(results, os.path.join(out, f"rank{rank}.pt"))
     dist.destroy_process_group()
 

@@ -39,7 +39,12 @@ def with_fake_weights(module: torch.nn.Module, device: torch.device) -> torch.nn
     for child in plain.modules():
         for name, p in child._parameters.items():
             if p is not None:
-                meta = torch.empty(p.shape, dtype=p.dtype, device="meta")
-                fake = mode.fake_tensor_converter.from_meta_and_device(mode, meta, device)
-                child._parameters[name] = torch.nn.Parameter(fake, p.requires_grad)
+                child._parameters[name] = torch.nn.Parameter(fake_like(p, mode, device), p.requires_grad)
     return plain
+
+
+def fake_like(t: torch.Tensor, mode, device: torch.device) -> torch.Tensor:
+    """A fake tensor of ``mode`` on ``device`` with ``t``'s shape, strides and dtype, read from its metadata alone:
+    ``t`` may be a meta tensor, a fake tensor of another mode or a sharded DTensor (its global shape)."""
+    meta = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
+    return mode.fake_tensor_converter.from_meta_and_device(mode, meta, device)

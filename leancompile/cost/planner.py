@@ -103,7 +103,7 @@ class CostPlan:
                                            "speedup": round(self.speedup(e.schedule), 4),
                                            "flop_ideal_speedup": round(self.flop_ideal(e.schedule), 4),
                                            # A refused schedule has no time: JSON has no infinity.
-                                           "step_seconds": e.seconds if math.isfinite(e.seconds) else None,
+                                           "step_seconds": e.seconds if e.available else None,
                                            "components": dict(e.components),
                                            "steps": [a.label for a in e.steps], "runs": str(e.runs),
                                            "note": e.note}
@@ -287,7 +287,7 @@ def plan(s: Scenario, device: Device, budget: int | None = None, *,
             auto = replace(auto, note=f"{auto.note} ({'per block' if auto.per_block else 'on the gathered weights'})")
     retain_static = static if model.per_block else model.gathered
     limits = _limits(s, g, sum(retain_static.values()), budget, model.per_block)
-    reweight = next((e for e in estimates if e.schedule == Schedule.REWEIGHT and math.isfinite(e.seconds)), None)
+    reweight = next((e for e in estimates if e.schedule == Schedule.REWEIGHT and e.available), None)
     if reweight is not None:
         limits += _reweight_limit(s, reweight, budget)
     return CostPlan(device.name, budget, (native, *estimates, auto), limits)

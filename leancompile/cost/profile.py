@@ -18,6 +18,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 from ..backbones import Conditioning
+from ..backbones.plain import fake_like
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from .saved import SavedBytes, block_saved_bytes, partition_saved_bytes
@@ -143,7 +144,7 @@ def _fake_copy(backbone, mode: FakeTensorMode, device_type: str):
     """A copy of ``backbone`` whose parameters and buffers are fake tensors on ``device_type``."""
     shared = {id(t): t for t in (*backbone.parameters(), *backbone.buffers())}
     clone = copy.deepcopy(backbone, memo=dict(shared))  # new modules, the same tensors: nothing is copied
-    converter, device = mode.fake_tensor_converter, torch.device(device_type)
+    device = torch.device(device_type)
     for module in clone.modules():
         # Only the computation: a wrapper's hooks (a data-parallel gather) would run whenever the copy is traced
         module._forward_pre_hooks.clear()
@@ -153,8 +154,7 @@ def _fake_copy(backbone, mode: FakeTensorMode, device_type: str):
                 if t is None:
                     continue
                 if t.is_meta or isinstance(t, FakeTensor):  # a fake of another mode (trainers.parallel): its shape
-                    meta = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
-                    f = converter.from_meta_and_device(mode, meta, device)
+                    f = fake_like(t, mode, device)
                 else:
                     f = mode.from_tensor(t.detach())
                 store[name] = torch.nn.Parameter(f, t.requires_grad) if isinstance(t, torch.nn.Parameter) else f

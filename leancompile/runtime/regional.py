@@ -87,16 +87,11 @@ class RegionalEngine:
 
     def __call__(self, *args, **kwargs):
         if self._passing:
-            self._current = (None, "", "")
+            self._current, action = (None, "", ""), None
         else:
-            call = Call.of(args, kwargs, self.call_shared)
-            self._current = self._verify(call)
-            action = self._admission(call) if self._current[0] is None else None
-            if action is not None:
-                with self.keeping(action):
-                    return self(*args, **kwargs)
+            self._current, action = self._verify(Call.of(args, kwargs, self.call_shared))
         try:
-            with self._routed():
+            with self._routed(), self.keeping(action) if action is not None else contextlib.nullcontext():
                 return self.backbone(*args, **kwargs)
         finally:
             self._current = _IDLE
@@ -109,24 +104,37 @@ class RegionalEngine:
             return None, "the block's call holds other rows than the backbone call's", "inputs"
         return rows, reason, kind
 
-    def _verify(self, call: Call) -> tuple[tuple[torch.Tensor, ...] | None, str, str]:
-        """The backbone call's rows when a kept call has them all (bitwise) in the same state; kept as such while
-        the blocks keep; else None and why."""
+    def _verify(self, call: Call) -> tuple[tuple, object]:
+        """``(rows, why not, kind)``: the backbone call's rows when a kept call has them all (bitwise) in the same
+        state, or the call is kept as such while the blocks keep; else None and why. With it, the action a wrapped
+        module's admission keeps a call that matches nothing under (None: not kept here)."""
         if call.refusal is not None:
-            return None, f"not reusable: {call.refusal}", "arguments"
+            return (None, f"not reusable: {call.refusal}", "arguments"), None
         state = self.reader.read(call)
         if self._calls and self._calls[0].state.versions != state.versions:
             self._forget()  # made with other weights: never matched again
         if self._keeping:
-            if self._fingerprint is None:
-                self._fingerprint = self.reader.fingerprint()
-            self._checked = False  # the next update phase checks the fingerprint again
-            kept = KeptCall(state, tuple(t.detach() for t in call.row_inputs),
-                            tuple(t.detach() for t in call.whole_inputs), None, None)
-            self._calls.append(kept)
-            for row, digest in enumerate(row_keys(call.row_inputs)):
-                self._index.setdefault(digest, []).append((kept, row))
-            return call.row_inputs, "", ""
+            return self._remember(call, state), None
+        matched = self._match(call, state)
+        if matched[0] is not None or self.admit is None or torch.is_grad_enabled():
+            return matched, None
+        action = self.admit(call)
+        return (matched, None) if action is None else (self._remember(call, state), action)
+
+    def _remember(self, call: Call, state) -> tuple:
+        """Keep the call's inputs and state (its blocks keep the rest)."""
+        if self._fingerprint is None:
+            self._fingerprint = self.reader.fingerprint()
+        self._checked = False  # the next update phase checks the fingerprint again
+        kept = KeptCall(state, tuple(t.detach() for t in call.row_inputs),
+                        tuple(t.detach() for t in call.whole_inputs), None, None)
+        self._calls.append(kept)
+        for row, digest in enumerate(row_keys(call.row_inputs)):
+            self._index.setdefault(digest, []).append((kept, row))
+        return call.row_inputs, "", ""
+
+    def _match(self, call: Call, state) -> tuple:
+        """The call's rows when a kept call has them all (bitwise) in ``state``; else None and why."""
         if not self._calls:
             return None, "nothing kept", "nothing kept"
         for i, digest in enumerate(row_keys(call.row_inputs)):
@@ -145,12 +153,6 @@ class RegionalEngine:
                 self._forget()
                 return None, "a weight was written in place (through .data) since it was kept", "weights"
         return call.row_inputs, "", ""
-
-    def _admission(self, call: Call):
-        """A wrapped module's call without grad that matches no kept call: the action to keep it under, or None."""
-        if self.admit is None or self._keeping or torch.is_grad_enabled() or call.refusal is not None:
-            return None
-        return self.admit(call)
 
     def _forget(self) -> None:
         """Drop every kept call: made with other weights, they can never be matched again."""
@@ -218,19 +220,19 @@ class RegionalEngine:
     def take_stats(self) -> dict:
         """Since the last time: calls (block calls) served and recomputed and why; the bytes held, each block's
         peak summed; the check time."""
-        stats = self.log.stats()
-        blocks = [engine.take_stats() for engine in self.engines]
-        for name in (self.schedule.held, "check_seconds"):
-            stats[name] = sum(s[name] for s in blocks)
-        self._share_log()
-        return stats
+        return self._summed([engine.take_stats() for engine in self.engines])
 
     def end_step(self) -> dict:
         """The step's statistics (:meth:`take_stats`); everything kept is freed."""
-        stats = self.take_stats()
+        stats = self._summed([engine.end_step() for engine in self.engines])
         self._forget()
-        for engine in self.engines:
-            engine.peak_bytes = 0
+        return stats
+
+    def _summed(self, blocks: list[dict]) -> dict:
+        stats = self.log.stats()
+        for name in (self.schedule.held, "check_seconds"):
+            stats[name] = sum(s[name] for s in blocks)
+        self._share_log()
         return stats
 
 
