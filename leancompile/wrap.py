@@ -32,7 +32,7 @@ from .runtime.bitwise import BitwiseRetain
 from .runtime.calls import Call
 from .runtime.engine import ReuseEngine
 from .runtime.regional import RegionalEngine, transformer_blocks
-from .runtime.reweight import ProvisionalRows, Reweight
+from .runtime.reweight import Reweight
 from .runtime.rowwise import RowwiseBackbone
 from .schedules import SCHEDULES
 
@@ -113,11 +113,7 @@ class Wrapped(torch.nn.Module):
                              f"{self.engine.admit.action.label!r}; wrap it with schedule='reweight'")
         if not callable(head):
             raise ValueError(f"head must be a callable head(advantage) -> loss; got {type(head).__name__}")
-        calls = [kept for kept in self.engine.kept if kept.rowwise is not None
-                 and not isinstance(kept.rows, ProvisionalRows)]
-        if calls:
-            with torch.enable_grad():
-                schedule.provisional(self.engine, calls, [functools.partial(head, a) for a in schedule.advantages])
+        self.engine.provisional([functools.partial(head, a) for a in schedule.advantages])
 
     def stats(self) -> dict:
         """Since the last call: calls served and recomputed (with each recompute's reason by kind), the peak bytes
@@ -175,8 +171,9 @@ def wrap(module: torch.nn.Module, schedule: str = "retain", memory_limit: int | 
             the module runs natively (:mod:`leancompile.runtime.regional`; the blocks are the module's stacks of
             identical blocks, :func:`~leancompile.runtime.regional.transformer_blocks`), so that FSDP2's per-block
             gathers and reduce-scatters run as they do natively: a module sharded with ``fully_shard`` is never
-            gathered whole. ``None``: per block when a submodule of ``module`` is sharded by FSDP2. Retain and
-            Offload only.
+            gathered whole. ``None``: per block when a submodule of ``module`` is sharded by FSDP2. Not with
+            ``bitwise=True``; under Reweight each block keeps its per-row gradients as FSDP2 gathers them (whole
+            per block, unreduced: see :mod:`leancompile.runtime.reweight`).
         trained: a hint where the loop knows which of a rollout's calls its update will train: ``trained(n)`` for
             the rollout's n-th call without grad (from 0, counted from the first call after the weights changed),
             False for a call that is not to be kept (FlowGRPO's steps past the first k of each sample batch:
@@ -214,16 +211,16 @@ def wrap(module: torch.nn.Module, schedule: str = "retain", memory_limit: int | 
         per_block = any(isinstance(m, FSDPModule) for m in module.modules())
     runtime = SCHEDULES[Schedule(schedule)].runtime
     if per_block:
-        if bitwise or not runtime().input_gradients:
+        if bitwise or runtime.for_blocks() is None:
             raise ValueError(f"per_block=True serves each block's input gradient, which schedule={schedule!r}"
-                             f"{' with bitwise=True' if bitwise else ''} does not keep: use schedule='retain' or "
-                             "'offload' without bitwise, or per_block=False")
+                             f"{' with bitwise=True' if bitwise else ''} does not keep: use schedule='retain', "
+                             "'offload' or 'reweight' without bitwise, or per_block=False")
         blocks = transformer_blocks(module)
         if not blocks:
             raise ValueError(f"per_block=True: {type(module).__name__} has no stack of identical blocks (an "
                              "nn.ModuleList of modules of one class); use per_block=False")
         family = next((f for f in FAMILIES.values() for m in module.modules() if isinstance(m, f.model_class)), None)
-        engine = RegionalEngine(module, blocks, runtime, tune_matmuls, PassHistory(),
+        engine = RegionalEngine(module, blocks, runtime.for_blocks, tune_matmuls, PassHistory(),
                                 shared=family.block_shared if family else (), call_shared=frozenset(shared))
     else:
         engine = ReuseEngine(module, BitwiseRetain() if bitwise else runtime(),

@@ -223,7 +223,7 @@ def test_a_call_the_engine_cannot_keep_runs_natively_and_says_why():
     (dict(module=torch.nn.Linear(2, 2), trained=3), "trained must be a callable"),
     (dict(module=torch.nn.Linear(2, 2), per_block=True), "Linear has no stack of identical blocks"),
     (dict(module=torch.nn.Sequential(torch.nn.ModuleList([torch.nn.Linear(2, 2)])), per_block=True,
-          schedule="reweight"), "per_block=True serves each block's input gradient"),
+          bitwise=True), "per_block=True serves each block's input gradient"),
 ])
 def test_bad_arguments_are_refused_by_name(kwargs, message):
     with pytest.raises(ValueError, match=message):
@@ -303,6 +303,32 @@ def test_a_wrapped_loop_under_reweight_trains_as_its_native_version(name):
         assert not any(r.action == "not kept" for r in records)
         # Each served micro-step's reference call is served the values, and so is the second head's.
         assert sum(r.action == "served values" for r in records) == 2 * served
+
+
+@pytest.mark.parametrize("name", LOOPS)
+def test_a_loop_wrapped_per_block_under_reweight_trains_as_its_native_version(name, monkeypatch):
+    """Each block keeps its per-row gradients, their coefficients found at the module's output (see
+    runtime.reweight). The Flux loop serves every update call's blocks. The LLM loop's group samples equal
+    completions, and a row equal to several kept rows recomputes (which equal row a block serves is its own
+    engine's choice); FlowGRPO-style recomputes for its training flags, as under Retain."""
+    monkeypatch.setattr(leancompile, "wrap", functools.partial(leancompile.wrap, per_block=True))
+    loop_class, config, served = LOOPS[name]
+    changes, tolerance = REWEIGHT_LOOPS[name]
+    config = dataclasses.replace(config, schedule="reweight", **changes)
+    _, native_grads = _native(loop_class, config)
+    wrapped, _, grads = _run(loop_class, config, True)
+    for g, g_native in zip(grads, native_grads, strict=True):
+        assert _relative(g, g_native) <= tolerance
+    module = trained_module(wrapped)
+    reasons = {r.reason for r in module.last_calls if r.action == "recomputed"}
+    stats = module.stats()
+    if name == "flowgrpo_sd3":
+        assert stats["served_calls"] == 0 and "training flags" in stats["recompute_reasons"]
+    elif name == "grpo_llm":
+        assert stats["served_calls"] > 0
+        assert reasons <= {"Reweight per block: a row equals several kept rows"}, reasons
+    else:
+        assert stats["served_calls"] == served * len(transformer_blocks(module.module)), stats
 
 
 def test_a_reweight_head_that_is_not_the_updates_loss_recomputes_every_call():

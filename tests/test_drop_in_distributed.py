@@ -15,7 +15,7 @@ from examples import dancegrpo_flux, grpo_llm
 from examples.loop_cli import trained_module
 from leancompile.runtime.regional import RegionalEngine, transformer_blocks
 from conftest import spawn_ranks
-from test_drop_in import DenseRewardLLM
+from test_drop_in import REWEIGHT_FLOAT32_ISLAND, DenseRewardLLM
 
 WORLD = 2
 
@@ -103,23 +103,23 @@ class FullyShardedFlux(dancegrpo_flux.Loop):
             if isinstance(module, FSDPModule):
                 module.set_custom_all_gather(CountedAllGather())
                 module.set_custom_reduce_scatter(CountedReduceScatter())
-        if use_leancompile:
-            self.transformer = leancompile.wrap(self.transformer)  # per block: a submodule is sharded by FSDP2
+        if use_leancompile:  # per block: a submodule is sharded by FSDP2
+            self.transformer = leancompile.wrap(self.transformer, schedule=config.schedule)
 
 
 def _fsdp_worker(rank, port, out):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
     torch.set_num_threads(1)
-    config = dancegrpo_flux.Config(num_steps=6, dtype=torch.float64, seed=rank)
     results = {}
-    for use in (False, True):
-        loop = FullyShardedFlux(config, use)
+    for schedule in (None, "retain", "reweight"):  # None: FSDP2 alone
+        config = dancegrpo_flux.Config(num_steps=6, dtype=torch.float64, seed=rank, schedule=schedule or "retain")
+        loop = FullyShardedFlux(config, schedule is not None)
         module = trained_module(loop)
         change = _change_in_two_steps(loop, module, lambda p: p.to_local())  # this rank's shards
-        stats = module.stats() if use else {}
-        per_block = isinstance(module.engine, RegionalEngine) if use else False
-        results[use] = (change, stats, dict(loop.collectives), per_block)
+        stats = module.stats() if schedule else {}
+        per_block = isinstance(module.engine, RegionalEngine) if schedule else False
+        results[schedule] = (change, stats, dict(loop.collectives), per_block)
     torch.save(results, os.path.join(out, f"rank{rank}.pt"))
     dist.destroy_process_group()
 
@@ -129,15 +129,22 @@ def fsdp_ranks(tmp_path_factory):
     return spawn_ranks(_fsdp_worker, WORLD, tmp_path_factory.mktemp("fsdp_ranks"))
 
 
-def test_wrapped_under_fsdp2_runs_per_block_and_trains_as_fsdp2_alone(fsdp_ranks):
+@pytest.mark.parametrize("schedule, tolerance", [("retain", 1e-10), ("reweight", REWEIGHT_FLOAT32_ISLAND)])
+def test_wrapped_under_fsdp2_runs_per_block_and_trains_as_fsdp2_alone(fsdp_ranks, schedule, tolerance):
+    """Reweight per block keeps each block's per-row gradients as FSDP2 gathered the block (unreduced) and hands
+    their combination to FSDP2's reduce-scatter; its provisional backward reduce-scatters nothing. Flux's float32
+    islands bound its difference (see test_drop_in)."""
     for rank in fsdp_ranks:
-        (native, _, native_collectives, _), (wrapped, stats, collectives, per_block) = rank[False], rank[True]
+        (native, _, native_collectives, _), (wrapped, stats, collectives, per_block) = rank[None], rank[schedule]
         assert per_block and native.norm() > 0
-        assert float((wrapped - native).norm() / native.norm()) <= 1e-10
+        assert float((wrapped - native).norm() / native.norm()) <= tolerance
         # Every update call's blocks served: 2 steps x 2 prompts x 2 samples x 3 trained steps, 4 blocks each.
         assert stats["served_calls"] == 2 * 2 * 2 * 3 * 4 and stats["recomputed_calls"] == 0, stats
-        # FSDP2's own per-block collectives, no whole-model gather: as many reduce-scatters as native's, and no
-        # more all-gathers (a served block's backward gathers its weights once; native's checkpointed backward
-        # gathers them for its recomputation too).
+        # FSDP2's own per-block collectives, no whole-model gather: as many reduce-scatters as native's. Retain
+        # gathers no more than native (a served block's backward gathers its weights once; native's checkpointed
+        # backward gathers them for its recomputation too). Reweight's heads run the module's forward once more
+        # (FSDP2 gathers each block although its kept output is answered) and its backward where a head's cotangent
+        # is not zero (the per-row backward needs the weights): 580 against native's 408.
         assert collectives["reduce_scatter"] == native_collectives["reduce_scatter"] > 0
-        assert 0 < collectives["all_gather"] <= native_collectives["all_gather"], (collectives, native_collectives)
+        bound = native_collectives["all_gather"] * (1 if schedule == "retain" else 3 / 2)
+        assert 0 < collectives["all_gather"] <= bound, (collectives, native_collectives)

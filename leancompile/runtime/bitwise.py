@@ -83,7 +83,8 @@ class BitwiseRetain(ScheduleRuntime):
                     "the batch)", "batch")
         return None
 
-    def gradients(self, engine: ReuseEngine, match: Match, cotangent: torch.Tensor, inputs: tuple[int, ...] = ()) -> list:
+    def gradients(self, engine: ReuseEngine, match: Match, cotangent: torch.Tensor, inputs: tuple[int, ...] = (),
+                  context=None) -> list:
         kept = match.places[0][0]
         # retain_graph: a second epoch before any optimizer step backpropagates it again (native recomputes the
         # same forward then). Parameters the graph does not reach get no gradient, as in native's backward.

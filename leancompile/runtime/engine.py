@@ -131,10 +131,16 @@ class ScheduleRuntime:
 
     input_gradients = False  # whether a served call's inputs may require grad (their gradients are returned too)
 
+    @classmethod
+    def for_blocks(cls) -> "ScheduleRuntime | None":
+        """This schedule's runtime for a transformer block's engine, whose served calls return their inputs'
+        gradients too (see runtime.regional); None where it cannot serve one."""
+        return cls() if cls.input_gradients else None
+
     def gradients(self, engine: "ReuseEngine", match: Match, cotangent: torch.Tensor,
-                  inputs: tuple[int, ...] = ()) -> list[torch.Tensor] | None:
+                  inputs: tuple[int, ...] = (), context=None) -> list[torch.Tensor] | None:
         """The trainable parameters' gradients for the served rows, then those of the call's tensors at positions
-        ``inputs`` (None: not verified, recompute them)."""
+        ``inputs`` (None: not verified, recompute them); ``context``: the engine's when the call was served."""
         raise NotImplementedError
 
 
@@ -165,6 +171,10 @@ class ReuseEngine:
         # matched, the reason's kind) (see runtime.regional)
         self.identity = None
         self._leaves: list | None = None  # while provisional loss heads run: the leaves handed out
+        self._answer = None  # and what makes them (None: a leaf of the kept values)
+        # Handed to the schedule with a served call's cotangent: set by whoever runs this engine's calls (a block's
+        # engine: the backbone call's coefficients under Reweight, see runtime.regional)
+        self.context = None
         # While one head runs: the kept rows (id of the call, row) its calls were answered with. Equal samples each
         # get their own kept row, as the update's calls will (see ScheduleRuntime.available).
         self._answered: set = set()
@@ -217,9 +227,10 @@ class ReuseEngine:
         match, reason, kind = self._lookup(call, keys)
         self.check_seconds += time.perf_counter() - start
         if match is not None and self._leaves is not None and torch.is_grad_enabled():
-            leaf = match.gather().requires_grad_()  # a provisional head differentiates the kept output
-            self._leaves.append((match, leaf))
-            return match.output(leaf)
+            # A provisional head differentiates the kept output: a leaf, or what the caller's ``answer`` makes of it
+            answered = self._answer(match, call) if self._answer is not None else match.gather().requires_grad_()
+            self._leaves.append((match, answered))
+            return match.output(answered)
         if match is not None and not torch.is_grad_enabled():
             self.log.records.append(CallRecord("served values", len(match.places), "kept values"))
             return match.output(match.gather())
@@ -421,14 +432,22 @@ class ReuseEngine:
         return self._leaves is not None
 
     @contextlib.contextmanager
-    def answering_with_leaves(self):
+    def answering_with_leaves(self, answer=None):
         """Inside, a call with grad that matches kept rows returns them as a leaf (a loss head on the kept output,
-        no second forward); calls without grad that do not match are kept as values. Yields the leaves list."""
-        self._leaves, self._answered = [], set()
+        no second forward), or as ``answer(match, call)`` makes them (a block's kept output inside the module's
+        autograd graph, see runtime.regional); calls without grad that do not match are kept as values. Yields the
+        list of ``(match, what was returned)``."""
+        self._leaves, self._answered, self._answer = [], set(), answer
         try:
             yield self._leaves
         finally:
-            self._leaves, self._answered = None, set()
+            self._leaves, self._answered, self._answer = None, set(), None
+
+    def provisional(self, heads: list, calls: list[KeptCall] | None = None) -> None:
+        """Reweight: backpropagate the loss ``heads`` (callables returning the loss on this module's calls)
+        through the kept ``calls`` (default: every kept call) that have not been yet."""
+        with torch.enable_grad():
+            self.schedule.provisional(self, list(self.kept if calls is None else calls), heads)
 
     # ----------------------------------------------------------------------------------------- lifetime
 
@@ -488,12 +507,13 @@ class _Served(torch.autograd.Function):
     def forward(ctx, engine, match, call, record, inputs, *tensors):
         """``tensors``: the trainable parameters, then the call's tensors at positions ``inputs``."""
         ctx.engine, ctx.match, ctx.call, ctx.record, ctx.inputs = engine, match, call, record, inputs
+        ctx.context = engine.context
         return match.gather()
 
     @staticmethod
     def backward(ctx, cotangent):
         engine, match = ctx.engine, ctx.match
-        grads = engine.schedule.gradients(engine, match, cotangent, ctx.inputs)
+        grads = engine.schedule.gradients(engine, match, cotangent, ctx.inputs, ctx.context)
         if grads is None:
             ctx.record.action, ctx.record.kind = "recomputed", "cotangent"
             ctx.record.reason = "its cotangent is not in the span of those the rollout backpropagated"

@@ -35,9 +35,10 @@ from torch.utils import _pytree as pytree
 
 from ..backbones.plain import plain_copy
 from ..passes.pipeline import PassHistory
-from .calls import Call
-from .engine import KeptCall, ReuseEngine, ScheduleRuntime, StepLog
+from .calls import Call, output_layout
+from .engine import KeptCall, Match, ReuseEngine, ScheduleRuntime, StepLog
 from .identity import StateReader, row_keys
+from .reweight import BlockProvisional, Coefficients, Heads, Reweight
 from .rowwise import RowwiseBackbone
 
 
@@ -76,6 +77,10 @@ class RegionalEngine:
         self._current: tuple = _IDLE
         self._keeping = self._passing = False
         self._fingerprint, self._checked = None, True  # of every weight when the first call was kept
+        # Reweight, while provisional heads run: which head is backpropagated, and each verified call's output by
+        # its rows and constants (a second head's call is the first's: the blocks' weights are not gathered again)
+        self._heads: Heads | None = None
+        self._outputs: dict[tuple, object] = {}
         self._share_log()
         self.schedule = self.engines[0].schedule
         if not self.schedule.input_gradients:
@@ -83,18 +88,40 @@ class RegionalEngine:
                              "inputs' gradients")
         self.rowwise = self.engines[0].rowwise  # the first block's programs, for inspection
 
-    answering_with_leaves_now = False  # Retain only: no provisional loss heads
+    answering_with_leaves_now = False  # while Reweight's provisional loss heads run (see provisional)
 
     def __call__(self, *args, **kwargs):
+        coefficients = None
         if self._passing:
             self._current, action = (None, "", ""), None
         else:
-            self._current, action = self._verify(Call.of(args, kwargs, self.call_shared))
+            call = Call.of(args, kwargs, self.call_shared)
+            self._current, action, coefficients = self._verify(call)
+            if coefficients is not None and self._heads is not None:
+                memo = (coefficients.key, repr(call.spec), tuple(l for l in call.leaves if not torch.is_tensor(l)))
+                if memo in self._outputs:
+                    self._current = _IDLE
+                    return self._outputs[memo][0]
+        for engine in self.engines:
+            engine.context = coefficients
         try:
             with self._routed(), self.keeping(action) if action is not None else contextlib.nullcontext():
-                return self.backbone(*args, **kwargs)
+                output = self.backbone(*args, **kwargs)
         finally:
             self._current = _IDLE
+            for engine in self.engines:
+                engine.context = None
+        if coefficients is None:
+            return output
+        # Reweight: the output's backward records a head's cotangent, or finds the served call's coefficients
+        tensor, layout, refusal = output_layout(output)
+        if refusal is not None:
+            return output  # no coefficients: the blocks recompute in the backward
+        output = coefficients.at_output(tensor, self._heads)
+        if self._heads is not None:
+            self._outputs[memo] = (layout.unpack(output), output)
+            return self._outputs[memo][0]
+        return layout.unpack(output)
 
     def _identity(self, call: Call) -> tuple[tuple[torch.Tensor, ...] | None, str, str]:
         """A block call's identity: the rows of the backbone call it runs in, where that call is verified (else
@@ -104,22 +131,29 @@ class RegionalEngine:
             return None, "the block's call holds other rows than the backbone call's", "inputs"
         return rows, reason, kind
 
-    def _verify(self, call: Call) -> tuple[tuple, object]:
+    def _verify(self, call: Call) -> tuple[tuple, object, Coefficients | None]:
         """``(rows, why not, kind)``: the backbone call's rows when a kept call has them all (bitwise) in the same
         state, or the call is kept as such while the blocks keep; else None and why. With it, the action a wrapped
-        module's admission keeps a call that matches nothing under (None: not kept here)."""
+        module's admission keeps a call that matches nothing under (None: not kept here), and under Reweight,
+        for a verified call with grad, where its coefficients will be found."""
         if call.refusal is not None:
-            return (None, f"not reusable: {call.refusal}", "arguments"), None
+            return (None, f"not reusable: {call.refusal}", "arguments"), None, None
         state = self.reader.read(call)
         if self._calls and self._calls[0].state.versions != state.versions:
             self._forget()  # made with other weights: never matched again
         if self._keeping:
-            return self._remember(call, state), None
-        matched = self._match(call, state)
+            return self._remember(call, state), None, None
+        matched, places = self._match(call, state)
+        if matched[0] is not None and torch.is_grad_enabled() and isinstance(self.schedule, Reweight):
+            if any(len(candidates) > 1 for candidates in places):
+                # Which of two equal kept rows a block serves is its own engine's choice: its provisional gradient
+                # must be the one these coefficients are found for, so equal kept rows are not told apart.
+                return (None, "Reweight per block: a row equals several kept rows", "inputs"), None, None
+            return matched, None, Coefficients(Match(tuple(candidates[0] for candidates in places)))
         if matched[0] is not None or self.admit is None or torch.is_grad_enabled():
-            return matched, None
+            return matched, None, None
         action = self.admit(call)
-        return (matched, None) if action is None else (self._remember(call, state), action)
+        return (matched, None, None) if action is None else (self._remember(call, state), action, None)
 
     def _remember(self, call: Call, state) -> tuple:
         """Keep the call's inputs and state (its blocks keep the rest)."""
@@ -133,26 +167,30 @@ class RegionalEngine:
             self._index.setdefault(digest, []).append((kept, row))
         return call.row_inputs, "", ""
 
-    def _match(self, call: Call, state) -> tuple:
-        """The call's rows when a kept call has them all (bitwise) in ``state``; else None and why."""
+    def _match(self, call: Call, state) -> tuple[tuple, list]:
+        """The call's rows when a kept call has them all (bitwise) in ``state``; else None and why. With them, per
+        row, the kept rows in that state with its inputs."""
         if not self._calls:
-            return None, "nothing kept", "nothing kept"
+            return (None, "nothing kept", "nothing kept"), []
+        places = []
         for i, digest in enumerate(row_keys(call.row_inputs)):
-            found = [kept for kept, row in self._index.get(digest, ())
+            found = [(kept, row) for kept, row in self._index.get(digest, ())
                      if all(torch.equal(mine[i], theirs[row]) for mine, theirs in zip(call.row_inputs, kept.inputs))
                      and all(torch.equal(mine, theirs) for mine, theirs in zip(call.whole_inputs, kept.whole))]
             if not found:
-                return None, f"the backbone call's row {i}: no kept call has these inputs", "inputs"
-            differences = [kept.state.difference(state) for kept in found]
+                return (None, f"the backbone call's row {i}: no kept call has these inputs", "inputs"), []
+            differences = [kept.state.difference(state) for kept, _ in found]
             if None not in differences:
-                return None, f"the backbone call differs from the kept call with these inputs in {differences[0]}", \
-                    differences[0]
-        if not self._checked:  # once per update phase: writes through .data move no version counter
+                return (None, f"the backbone call differs from the kept call with these inputs in {differences[0]}",
+                        differences[0]), []
+            places.append([place for place, difference in zip(found, differences) if difference is None])
+        if not self._checked and not self.answering_with_leaves_now:  # once per update phase: writes through .data
+            # move no version counter
             self._checked = True
             if not torch.equal(self.reader.fingerprint(), self._fingerprint):
                 self._forget()
-                return None, "a weight was written in place (through .data) since it was kept", "weights"
-        return call.row_inputs, "", ""
+                return (None, "a weight was written in place (through .data) since it was kept", "weights"), []
+        return (call.row_inputs, "", ""), places
 
     def _forget(self) -> None:
         """Drop every kept call: made with other weights, they can never be matched again."""
@@ -160,6 +198,46 @@ class RegionalEngine:
         self._fingerprint, self._checked = None, True
         for engine in self.engines:
             engine.release()
+
+    def provisional(self, heads: list, calls: list[list[KeptCall]] | None = None) -> None:
+        """Reweight per block: run each loss head on the module as the update will, every block's call answered
+        with its kept output (:class:`~leancompile.runtime.reweight.BlockProvisional`), and backpropagate it
+        through the module's own graph, so that each block's cotangent comes from the module around it and FSDP2
+        gathers the block's weights for its one-row backward as it does for native's (and reduce-scatters nothing:
+        no parameter receives a gradient). ``calls``: per block, the calls to backpropagate (default: every kept
+        call not backpropagated yet)."""
+        if not isinstance(self.schedule, Reweight):
+            raise ValueError(f"provisional needs the reweight schedule; the blocks run {self.schedule.name}")
+        heads_ = Heads(len(heads))
+        recorders = [BlockProvisional(engine, engine.kept if calls is None else calls[i], heads_)
+                     for i, engine in enumerate(self.engines)]
+        pending = [kept for recorder in recorders for kept in recorder.pending.values()]
+        if not pending:
+            return
+        token = torch.zeros((), dtype=pending[0].output.dtype, device=pending[0].output.device, requires_grad=True)
+        self.answering_with_leaves_now, self._heads = True, heads_
+        try:
+            with torch.enable_grad():
+                losses = []
+                for head in heads:
+                    with contextlib.ExitStack() as stack:
+                        for engine, recorder in zip(self.engines, recorders):
+                            stack.enter_context(engine.answering_with_leaves(recorder.answer(token)))
+                        losses.append(head())
+                outputs = [output for _, output in self._outputs.values()]
+                for heads_.current, loss in enumerate(losses):
+                    if not loss.requires_grad or not outputs:  # no call of the heads was verified
+                        continue
+                    # The output's cotangent first: a head without this term (the advantage-free head of a loss
+                    # with none) is zero there, and backpropagates nothing into the blocks
+                    cotangents = torch.autograd.grad(loss, outputs, retain_graph=True, allow_unused=True,
+                                                     materialize_grads=True)
+                    if any(bool(c.any()) for c in cotangents):
+                        torch.autograd.grad(outputs, token, cotangents, retain_graph=True, allow_unused=True)
+        finally:
+            self.answering_with_leaves_now, self._heads, self._outputs = False, None, {}
+        for recorder in recorders:
+            recorder.settle()
 
     @property
     def held_bytes(self) -> int:

@@ -50,7 +50,7 @@ class Retain(ScheduleRuntime):
         kept.nbytes = sum(t.numel() * t.element_size() for t in saved)
 
     def gradients(self, engine: ReuseEngine, match: Match, cotangent: torch.Tensor,
-                  inputs: tuple[int, ...] = ()) -> list[torch.Tensor] | None:
+                  inputs: tuple[int, ...] = (), context=None) -> list[torch.Tensor] | None:
         device, total = cotangent.device, None
         rows_total = len(match.places)
         input_grads: dict[int, torch.Tensor] = {}

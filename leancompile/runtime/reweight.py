@@ -8,14 +8,21 @@ provisional cotangents ``c_k`` (the run-time proof that the ratio is 1 and the l
 receives): ``g = sum_k a_k c_k`` up to rounding. The gradient is then ``sum_k a_k P_k`` from the row's provisional
 gradients ``P_k``, exact by linearity of the backward. A row serves one call with grad (a second use recomputes);
 a cotangent outside the span makes the call recompute natively, forward and backward, in that backward.
+
+Per transformer block (:mod:`.regional`, FSDP2's gathers kept), the heads' cotangents reach each block's kept call
+through the module's own autograd graph: a head's call is answered block by block with the kept outputs inside an
+autograd function (:class:`BlockProvisional`) whose backward runs the block's one-row backward on the kept rows,
+keeps the per-row gradients of the block's parameters and of its inputs, and passes the inputs' gradients on to
+the blocks before it. A served block call's backward then combines both, so its gradient and its inputs' are
+exact by the same linearity, each block checking its own cotangent's span.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from .engine import KeptCall, Match, ReuseEngine, ScheduleRuntime
+from .engine import KeptCall, Match, ReuseEngine, RowPick, ScheduleRuntime
 
 
 @dataclass
@@ -25,6 +32,22 @@ class ProvisionalRows:
     cotangents: torch.Tensor  # (rows, k, *output) the provisional cotangents backpropagated
     gradients: list[tuple[torch.Tensor, ...]]  # per trainable parameter, per cotangent: (rows, *shape)
     used: torch.Tensor  # (rows,) bool: served to a call with grad already
+    # per position among the call's tensors (a block's inputs), per cotangent: each row's input gradient
+    inputs: dict[int, tuple[torch.Tensor, ...]] = field(default_factory=dict)
+
+    @classmethod
+    def settle(cls, engine: ReuseEngine, kept: KeptCall, basis: list[torch.Tensor], gradients: list[list],
+               inputs: dict[int, tuple[torch.Tensor, ...]] | None = None) -> None:
+        """Replace ``kept``'s saved tensors by what ``basis`` gave (per cotangent, per parameter: ``gradients``)."""
+        kept.rows = cls(torch.stack(basis, dim=1), list(zip(*gradients)),
+                        torch.zeros(len(kept.output), dtype=torch.bool, device="cpu"), inputs or {})  # host flags
+        # Kept as the backward made them: stacking the cotangents' gradients copied every row of every parameter
+        # (full fine-tuning under FlowGRPO's KL: most of the step's time)
+        held = (kept.rows.cotangents, *(g for per_basis in kept.rows.gradients for g in per_basis),
+                *(g for per_basis in kept.rows.inputs.values() for g in per_basis))
+        nbytes = sum(t.numel() * t.element_size() for t in held if t is not None)
+        engine._count(nbytes - kept.nbytes)
+        kept.nbytes = nbytes
 
 
 def span_tolerance(dtype: torch.dtype) -> float:
@@ -36,10 +59,17 @@ class Reweight(ScheduleRuntime):
     name = "reweight"
     held = "buffer_bytes"
 
-    def __init__(self, advantage_free: bool = True):
+    def __init__(self, advantage_free: bool = True, input_gradients: bool = False):
         # The provisional advantages the heads run at: 0 as well only where the traced loss has advantage-free
         # terms. A loop whose loss has them after all gets cotangents outside the span, which recompute.
         self.advantages = (1.0, 0.0) if advantage_free else (1.0,)
+        # A block's engine keeps each row's input gradients too, from cotangents its block call receives
+        # (BlockProvisional); a whole call's provisional backward starts at its own output.
+        self.input_gradients = input_gradients
+
+    @classmethod
+    def for_blocks(cls) -> "Reweight":
+        return cls(input_gradients=True)
 
     def keep(self, engine: ReuseEngine, kept: KeptCall, saved: list[torch.Tensor], action) -> None:
         kept.rows = saved  # until its provisional heads have run
@@ -48,7 +78,9 @@ class Reweight(ScheduleRuntime):
         """Backpropagate ``heads`` (callables returning the trainer's loss on the kept output) through ``calls``.
 
         Each head's backbone calls are answered with leaves of the kept values; the heads' cotangents on them form
-        each row's basis (the first minus the last, and the last, when several heads share advantage-free terms)."""
+        each row's basis (the first minus the last, and the last, when several heads share advantage-free terms).
+        Calls already backpropagated, and values kept without a program, are passed over."""
+        calls = [kept for kept in calls if kept.rowwise is not None and not isinstance(kept.rows, ProvisionalRows)]
         cotangents = {id(kept): [] for kept in calls}
         for head in heads:
             with engine.answering_with_leaves() as leaves:
@@ -75,14 +107,7 @@ class Reweight(ScheduleRuntime):
                 untouched.append(kept)
                 continue
             grads = [kept.rowwise.backward(kept.key, kept.rows, c.to(kept.output.dtype), per_row=True) for c in basis]
-            # Kept as the backward made them: stacking the cotangents' gradients copied every row of every parameter
-            # (full fine-tuning under FlowGRPO's KL: most of the step's time)
-            kept.rows = ProvisionalRows(torch.stack(basis, dim=1), list(zip(*grads)),
-                                        torch.zeros(len(kept.output), dtype=torch.bool, device="cpu"))  # host flags
-            nbytes = sum(t.numel() * t.element_size()
-                         for t in (kept.rows.cotangents, *(g for per_basis in kept.rows.gradients for g in per_basis)))
-            engine._count(nbytes - kept.nbytes)
-            kept.nbytes = nbytes
+            ProvisionalRows.settle(engine, kept, basis, grads)
         engine.forget(untouched)
 
     def available(self, kept: KeptCall, row: int) -> bool:
@@ -100,18 +125,19 @@ class Reweight(ScheduleRuntime):
         return None
 
     def gradients(self, engine: ReuseEngine, match: Match, cotangent: torch.Tensor,
-                  inputs: tuple[int, ...] = ()) -> list[torch.Tensor] | None:
+                  inputs: tuple[int, ...] = (), context: "Coefficients | None" = None) -> list[torch.Tensor] | None:
         groups = [(kept.rows, torch.tensor(rows, device=cotangent.device), torch.tensor(positions, device=cotangent.device))
                   for kept, rows, positions in match.by_call()]
         order = torch.cat([positions for _, _, positions in groups])  # this call's rows, grouped by kept call
-        basis = torch.cat([rows.cotangents[index] for rows, index, _ in groups]).double().flatten(2)  # (rows, k, n)
-        g = cotangent[order].double().flatten(1)  # (rows, n)
-        gram = basis @ basis.transpose(1, 2)
-        coefficients = (torch.linalg.pinv(gram) @ (basis @ g.unsqueeze(2))).squeeze(2)  # (rows, k)
-        residual = g - (coefficients.unsqueeze(2) * basis).sum(1)
-        bound = span_tolerance(cotangent.dtype) * g.norm(dim=1)
-        if not bool((residual.norm(dim=1) <= bound).all()):
-            return None
+        if context is not None:  # a block's call: the backbone call's coefficients, found at its output
+            if context.values is None:
+                return None
+            coefficients = context.values[order]
+        else:
+            basis = torch.cat([rows.cotangents[index] for rows, index, _ in groups])
+            coefficients = in_span(basis, cotangent[order])
+            if coefficients is None:
+                return None
         # Each parameter's gradient is a matrix-vector product over the rows' provisional gradients, read in place
         # run by run of consecutive kept rows: gathering them first copied every row twice.
         runs, offset = [], 0
@@ -124,11 +150,39 @@ class Reweight(ScheduleRuntime):
             total = None
             for provisional, start, stop, weights in runs:
                 for basis_rows, basis_weights in zip(provisional.gradients[i], weights.t()):
+                    if basis_rows is None:  # a head that did not reach this block call
+                        continue
                     rows = basis_rows[start:stop]  # (run, *shape)
                     matrix, vector = rows.reshape(stop - start, -1).t(), basis_weights.to(rows.dtype)
                     total = torch.mv(matrix, vector) if total is None else total.addmv_(matrix, vector)
             grads.append(total.view(rows.shape[1:]))
+        for i in inputs:  # each row's input gradient: its own combination, placed at its row of the call
+            if not all(i in provisional.inputs for provisional, _, _ in groups):
+                return None  # the rollout's heads did not reach this input: recompute
+            out, offset = None, 0
+            for provisional, index, positions in groups:
+                weights = coefficients[offset:offset + len(index)]
+                offset += len(index)
+                per_row = sum(basis_rows.index_select(0, index)
+                              * w.to(basis_rows.dtype).view(-1, *[1] * (basis_rows.dim() - 1))
+                              for basis_rows, w in zip(provisional.inputs[i], weights.t()) if basis_rows is not None)
+                if out is None:
+                    out = per_row.new_zeros((len(match.places), *per_row.shape[1:]))
+                out.index_copy_(0, positions, per_row)
+            grads.append(out)
         return grads
+
+
+def in_span(basis: torch.Tensor, cotangent: torch.Tensor) -> torch.Tensor | None:
+    """Per row, the coefficients ``(rows, k)`` of ``cotangent`` ``(rows, *output)`` in the span of the row's
+    ``basis`` ``(rows, k, *output)``, or None where a row's residual is more than rounding could leave."""
+    basis, g = basis.double().flatten(2), cotangent.double().flatten(1)
+    gram = basis @ basis.transpose(1, 2)
+    coefficients = (torch.linalg.pinv(gram) @ (basis @ g.unsqueeze(2))).squeeze(2)
+    residual = g - (coefficients.unsqueeze(2) * basis).sum(1)
+    if not bool((residual.norm(dim=1) <= span_tolerance(cotangent.dtype) * g.norm(dim=1)).all()):
+        return None
+    return coefficients
 
 
 def _consecutive(rows: list[int]) -> list[tuple[int, int]]:
@@ -140,3 +194,161 @@ def _consecutive(rows: list[int]) -> list[tuple[int, int]]:
         else:
             runs.append([row, row + 1])
     return [tuple(run) for run in runs]
+
+
+@dataclass
+class Heads:
+    """The provisional heads of a module run per block: how many, and which one is being backpropagated."""
+
+    count: int
+    current: int = 0
+
+
+class BlockProvisional:
+    """One block engine's provisional backward under a module's loss heads (see the module's docstring): answers
+    the block's calls with grad during the heads, and keeps, per kept call and head, the cotangent each row
+    received and the per-row gradients it gave."""
+
+    def __init__(self, engine: ReuseEngine, calls: list[KeptCall], heads: Heads):
+        self.engine, self.heads = engine, heads
+        self.pending = {id(kept): kept for kept in calls
+                        if kept.rowwise is not None and not isinstance(kept.rows, ProvisionalRows)}
+        # id(kept) -> head -> (cotangent, per-parameter gradients, {input position: gradients}), each (rows, ...)
+        self.received: dict[int, dict[int, tuple]] = {}
+
+    def answer(self, token: torch.Tensor):
+        """What the block engine returns for a call under the heads: the kept output, joined to the module's graph
+        through the call's inputs that require grad and ``token`` (a leaf every head differentiates, so that a
+        block whose inputs do not require grad, the first, is reached too)."""
+        def answer(match: Match, call) -> torch.Tensor:
+            tensors = call.tensors
+            inputs = tuple(i for i, t in enumerate(tensors) if t.requires_grad)
+            return _ProvisionalBlock.apply(self, match, inputs, token, *(tensors[i] for i in inputs))
+        return answer
+
+    def backward(self, match: Match, cotangent: torch.Tensor, inputs: tuple[int, ...]) -> list:
+        """Run the kept rows' one-row backward on the current head's ``cotangent``, keep what it gives per row, and
+        return the gradients of the call's tensors at ``inputs`` (None: the rows were not pending)."""
+        head, device, total = self.heads.current, cotangent.device, len(match.places)
+        grads_in: dict[int, torch.Tensor] = {}
+        for kept, rows, positions in match.by_call():
+            if id(kept) not in self.pending:
+                continue  # a call backpropagated before: what reaches the blocks before it through here is missing,
+                # and their served calls' cotangents then fall outside the span (they recompute)
+            program = kept.rowwise.program_of(kept.key)
+            pick, here = RowPick(rows), RowPick(positions)
+            saved = [pick.of(t).contiguous() for t in kept.rows]
+            cot = here.of(cotangent).contiguous()
+            out = kept.rowwise.backward(kept.key, saved, cot, per_row=True)
+            params = out[:len(program.trainable)]
+            per_input = dict(zip(program.input_grads, out[len(program.trainable):]))
+            rows_kept = len(kept.output)
+            index = torch.tensor(rows, device=device)
+            record = self.received.setdefault(id(kept), {}).get(head)
+            if record is None:
+                whole = rows == list(range(rows_kept))
+                record = (cot.clone() if whole else _placed(cot, index, rows_kept),  # autograd may reuse its own
+                          [g if whole else _placed(g, index, rows_kept) for g in params],
+                          {i: g if whole else _placed(g, index, rows_kept) for i, g in per_input.items()})
+                self.received[id(kept)][head] = record
+            else:  # another call of the same head reached other rows of this kept call
+                record[0].index_add_(0, index, cot)
+                for mine, g in zip(record[1], params):
+                    mine.index_add_(0, index, g)
+                for i, g in per_input.items():
+                    record[2][i].index_add_(0, index, g)
+            where = torch.tensor(positions, device=device)
+            for i in inputs:
+                if i in per_input:
+                    grad = per_input[i]
+                    if i not in grads_in:
+                        grads_in[i] = grad.new_zeros((total, *grad.shape[1:]))
+                    grads_in[i].index_copy_(0, where, grad)
+        return [grads_in.get(i) for i in inputs]
+
+    def settle(self) -> None:
+        """Once every head has run: each pending call keeps its per-row gradients in place of its saved tensors,
+        per head (None for a head that did not reach it); a call no head reached (a step no update trains) is
+        freed."""
+        untouched = []
+        for key, kept in self.pending.items():
+            received = self.received.get(key, {})
+            if not received:
+                untouched.append(kept)
+                continue
+            first = next(iter(received.values()))
+            heads = [received.get(h) for h in range(self.heads.count)]
+            positions = set.intersection(*(set(record[2]) for record in received.values()))
+            ProvisionalRows.settle(
+                self.engine, kept, [r[0] if r else torch.zeros_like(first[0]) for r in heads],
+                [r[1] if r else [None] * len(first[1]) for r in heads],
+                {i: tuple(r[2][i] if r else None for r in heads) for i in sorted(positions)})
+        self.engine.forget(untouched)
+        self.pending, self.received = {}, {}
+
+
+def _placed(rows: torch.Tensor, index: torch.Tensor, total: int) -> torch.Tensor:
+    """``rows`` at rows ``index`` of zeros of ``total`` rows."""
+    return rows.new_zeros((total, *rows.shape[1:])).index_copy_(0, index, rows)
+
+
+class _ProvisionalBlock(torch.autograd.Function):
+    """A block call under a provisional head: its output is the kept values; its backward is the kept rows'."""
+
+    @staticmethod
+    def forward(ctx, recorder, match, inputs, token, *tensors):
+        ctx.recorder, ctx.match, ctx.inputs = recorder, match, inputs
+        return match.gather()
+
+    @staticmethod
+    def backward(ctx, cotangent):
+        grads = ctx.recorder.backward(ctx.match, cotangent, ctx.inputs)
+        return (None, None, None, None, *grads)
+
+
+class Coefficients:
+    """Per block, at the backbone's output: the coefficients a served backbone call's cotangent has, row by row,
+    in the heads' cotangents its kept rows received there. Every block's served backward combines its per-row
+    gradients with them: set by the output's backward, which runs before any block's (the blocks feed the
+    output). Checked at the output, where the loop's loss hands the cotangent over, not at each block: the
+    module's own float32 islands between the output and a block (an RMSNorm's variance) round a cotangent off
+    its span there by more than the module's dtype alone would, though the blocks' gradients are the same
+    linear function of it. ``values`` None: not in the span, the blocks recompute."""
+
+    def __init__(self, places: Match):
+        self.places = places  # (kept backbone call, row) per row of the call; each kept call's ``rows`` holds
+        # (rows, heads, output size): the heads' cotangents
+        self.values: torch.Tensor | None = None
+
+    @property
+    def key(self) -> tuple:
+        return tuple((id(kept), row) for kept, row in self.places.places)
+
+    def at_output(self, output: torch.Tensor, heads: Heads | None) -> torch.Tensor:
+        """``output`` through the function that, in its backward, records the cotangent as the current head's
+        (while provisional ``heads`` run) or finds the coefficients."""
+        return _AtOutput.apply(self, heads, output)
+
+
+class _AtOutput(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, coefficients, heads, output):
+        ctx.coefficients, ctx.heads = coefficients, heads
+        return output.view_as(output)
+
+    @staticmethod
+    def backward(ctx, cotangent):
+        this, heads, flat = ctx.coefficients, ctx.heads, cotangent.flatten(1)
+        groups = [(kept, torch.tensor(rows, device=cotangent.device), torch.tensor(positions, device=cotangent.device))
+                  for kept, rows, positions in this.places.by_call()]
+        if heads is not None:
+            for kept, rows, positions in groups:
+                if kept.rows is None:
+                    kept.rows = flat.new_zeros((len(kept.inputs[0]), heads.count, flat.shape[1]))
+                kept.rows[:, heads.current].index_add_(0, rows, flat.index_select(0, positions))
+        elif all(isinstance(kept.rows, torch.Tensor) for kept, _, _ in groups):
+            order = torch.cat([positions for _, _, positions in groups])
+            found = in_span(torch.cat([kept.rows.index_select(0, rows) for kept, rows, _ in groups]), flat[order])
+            if found is not None:
+                this.values = torch.empty_like(found).index_copy_(0, order, found)
+        return None, None, cotangent
