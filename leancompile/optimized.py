@@ -122,11 +122,10 @@ class Optimized:
                               advantages=torch.full((len(trained),), advantage, dtype=x.dtype, device=x.device))
             return lambda: super(Optimized, self).micro_step_loss(micro)[0]
 
-        schedule = self._engine.schedule
         with torch.enable_grad(), contextlib.ExitStack() as reference:
             if self._reference_engine is not None:  # the heads' reference calls run once; the update's are served
                 reference.enter_context(self._reference_engine.answering_with_leaves())
-            schedule.provisional(self._engine, list(self._kept_now), [head(a) for a in schedule.advantages])
+            self._engine.provisional([head(a) for a in self._engine.schedule.advantages], list(self._kept_now))
 
     def optimizer_step(self):
         super().optimizer_step()

@@ -119,7 +119,7 @@ def _build_retain(a: Analyses, planned: tuple[StepAction, ...], kind: Action = A
                                                        else not partial)
     runs = ""
     if per_block:
-        runs = "run per transformer block (runtime.regional)"
+        runs = PER_BLOCK
         if any(s.fraction < 1 for s in steps if s.keeps):
             runs += ", a step retained at a fraction keeping that fraction of the blocks"
     kept = Retain(layout.segments, need.pruned)
@@ -175,10 +175,16 @@ def _build_reweight(a: Analyses, planned: tuple[StepAction, ...]) -> Built:
                     rollout_traced=a.programs.rollout)
     steps = plan_steps(a.trainer.config, StepAction(0, Action.REWEIGHT))
     kept = Reweight(bool(a.linearity.advantage_free))
-    return Built(steps, graphs, _engine(a.trainer, kept, steps, a.request, a.history), EXACTNESS[Schedule.REWEIGHT],
+    per_block = a.request.per_block
+    if per_block is None:  # under FSDP2 per block: each rank holds its samples' per-row gradients of each block
+        per_block = a.trainer.sync.kind == "fsdp"
+    return Built(steps, graphs, _engine(a.trainer, kept, steps, a.request, a.history, per_block),
+                 EXACTNESS[Schedule.REWEIGHT],
                  buffers=("one provisional gradient per kept row and trained step (per basis cotangent: the policy "
                           "term, and the advantage-free terms where the loss has them), each used by at most one "
-                          "call with grad"))
+                          "call with grad" + (" (per block: of each block's weights as FSDP2 gathers them, "
+                                              "unreduced)" if per_block else "")),
+                 runs=PER_BLOCK if per_block else "")
 
 
 SCHEDULES: dict[Schedule, ScheduleSpec] = {spec.schedule: spec for spec in (
@@ -206,6 +212,7 @@ def refusals(analyses: Analyses) -> tuple[Refusal, ...]:
 
 # ----------------------------------------------------------------------------------------- what builds share
 
+PER_BLOCK = "run per transformer block (runtime.regional)"
 EXACTNESS = {
     Schedule.NATIVE: "native: the trainer's own program",
     Schedule.RETAIN: ("exact in real arithmetic, float64 within rounding: the per-row program rounds differently "
@@ -242,7 +249,7 @@ class Graphs(dict):
 def _engine(trainer, schedule: ScheduleRuntime, steps, request: Request, history: passes.PassHistory,
             per_block: bool = False):
     """The engine for ``trainer``'s backbone: one per-row backbone per activation budget the plan uses, or with
-    ``per_block`` (Retain) one engine per transformer block (FSDP2's own gathers kept, see runtime.regional)."""
+    ``per_block`` one engine per transformer block (FSDP2's own gathers kept, see runtime.regional)."""
     if per_block:
         backbone = trainer.backbone
         if trainer.sync.kind == "fsdp":
@@ -253,8 +260,8 @@ def _engine(trainer, schedule: ScheduleRuntime, steps, request: Request, history
             trainer.sync.release()
             backbone = trainer.sync.root
         blocks = [block for _, stack in backbone.block_stacks() for block in stack]
-        return RegionalEngine(backbone, blocks, lambda: Retain(schedule.segments, schedule.pruned),
-                              request.tune_matmuls, history, shared=backbone.spec.block_shared)
+        return RegionalEngine(backbone, blocks, schedule.for_block, request.tune_matmuls, history,
+                              shared=backbone.spec.block_shared)
     # The whole call runs on the weights the step runs on: the trainer's, or under FSDP2 its gathered copy (the
     # analyses ran on fake ones).
     with trainer.sync.whole_weights(trainer) as (backbone, _):

@@ -209,9 +209,9 @@ def wrap(module: torch.nn.Module, schedule: str = "retain", memory_limit: int | 
         raise ValueError(f"per_block must be True, False or None; got {per_block!r}")
     if per_block is None:
         per_block = any(isinstance(m, FSDPModule) for m in module.modules())
-    runtime = SCHEDULES[Schedule(schedule)].runtime
+    runtime = BitwiseRetain() if bitwise else SCHEDULES[Schedule(schedule)].runtime()
     if per_block:
-        if bitwise or runtime.for_blocks() is None:
+        if runtime.for_block() is None:
             raise ValueError(f"per_block=True serves each block's input gradient, which schedule={schedule!r}"
                              f"{' with bitwise=True' if bitwise else ''} does not keep: use schedule='retain', "
                              "'offload' or 'reweight' without bitwise, or per_block=False")
@@ -220,10 +220,10 @@ def wrap(module: torch.nn.Module, schedule: str = "retain", memory_limit: int | 
             raise ValueError(f"per_block=True: {type(module).__name__} has no stack of identical blocks (an "
                              "nn.ModuleList of modules of one class); use per_block=False")
         family = next((f for f in FAMILIES.values() for m in module.modules() if isinstance(m, f.model_class)), None)
-        engine = RegionalEngine(module, blocks, runtime.for_blocks, tune_matmuls, PassHistory(),
+        engine = RegionalEngine(module, blocks, runtime.for_block, tune_matmuls, PassHistory(),
                                 shared=family.block_shared if family else (), call_shared=frozenset(shared))
     else:
-        engine = ReuseEngine(module, BitwiseRetain() if bitwise else runtime(),
+        engine = ReuseEngine(module, runtime,
                              {1.0: RowwiseBackbone(module, tune_matmuls=tune_matmuls)}, shared=frozenset(shared))
     action = StepAction(0, Action(schedule), "a call without grad of the wrapped module that matches no kept call")
     overflow = (StepAction(0, Action.OFFLOAD, "a kept call past the device's memory limit")

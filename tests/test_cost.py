@@ -77,8 +77,11 @@ def test_predicted_retained_and_buffer_bytes_are_within_ten_percent_of_measured(
     predicted = dict(cost["retain"].components)["retained activations"]
     assert abs(predicted - retained) <= 0.1 * retained
     stats = optimize(_trainer(config, family), "reweight").step(PROMPTS)
-    predicted = dict(cost["reweight"].components)["gradient buffers"]
-    assert abs(predicted - stats["buffer_bytes"]) <= 0.1 * stats["buffer_bytes"]
+    # What the engine holds at its peak: the buffers, and a kept call's activations until its step's buffers are made
+    components = dict(cost["reweight"].components)
+    predicted = sum(components[k] for k in ("gradient buffers", "provisional cotangents",
+                                            "activations (one call, beyond its step's buffers)"))
+    assert abs(predicted - stats["buffer_bytes"]) <= 0.1 * stats["buffer_bytes"], (components, stats["buffer_bytes"])
 
 
 def _interleaved_times(programs, repetitions):
@@ -132,16 +135,17 @@ def test_under_a_budget_that_cannot_retain_every_step_auto_fits():
     assert static_bytes(auto) + tracker.peak + held <= limit
 
 
-def test_under_fsdp_reweight_holds_the_gathered_weights_and_retain_runs_per_block():
-    """trainers.parallel: under FSDP2 Reweight runs on the whole weights; Retain runs per block (runtime.regional)
-    and holds what native holds besides its activations; native stays sharded."""
+def test_under_fsdp_retain_and_reweight_run_per_block_and_hold_no_gathered_weights():
+    """Under FSDP2 Retain and Reweight run per block (runtime.regional) and hold what native holds besides their
+    activations or gradient buffers (each rank's per-sample gradients are whole, unreduced, and each buffer's row
+    keeps its block cotangents and input gradients); native stays sharded."""
     trainer = _trainer(FlowGRPOConfig(num_steps=3, group_size=2, train_batch_size=4, lora_rank=None))
     scenario = dataclasses.replace(trainer_scenario(trainer, 4), world_size=8, sharding="fsdp")
     cost = plan(scenario, get_device("a100-80gb"), estimators=estimators())
     whole = sum(p.numel() * p.element_size() for p in trainer.trainable) * 2  # weights and gradients, all trained
     components = {name: dict(cost[name].components) for name in ("native", "retain", "reweight")}
-    assert "gathered (FSDP2)" not in components["native"] and "gathered (FSDP2)" not in components["retain"]
-    assert components["reweight"]["gathered (FSDP2)"] == whole - whole // 8
+    assert not any("gathered (FSDP2)" in components[name] for name in ("native", "retain", "reweight"))
+    assert components["reweight"]["block cotangents and input gradients"] > 0
     for name in ("retain", "reweight"):
         assert components[name]["weights"] == components["native"]["weights"] == whole // 2 // 8
     assert components["reweight"]["gradient buffers"] == 4 * whole // 2  # per-sample gradients are whole

@@ -13,6 +13,7 @@ from leancompile.trainers import DanceGRPOConfig, FlowGRPOConfig
 
 from conftest import check_served_calls, mark_optimizer_steps
 from test_retain_equivalence import _build, grpo_configs
+from test_reweight_equivalence import _run_both as _run_reweight, configurations as reweight_configurations
 
 
 def _flat(trainer):
@@ -105,8 +106,25 @@ def test_per_block_arguments_are_checked():
     trainer = _build("sd3", dataclasses.replace(FlowGRPOConfig(num_steps=2, group_size=2), dtype="float64"))
     with pytest.raises(ValueError, match="per_block must be True, False or None"):
         optimize(trainer, per_block="yes")
-    with pytest.raises(ValueError, match="per_block=True runs Retain of whole activations"):
-        optimize(trainer, schedule="reweight", per_block=True)
+    with pytest.raises(ValueError, match="it cannot serve bitwise=True or memory_budget < 1"):
+        optimize(trainer, bitwise=True, per_block=True)
+
+
+@given(case=reweight_configurations(), family=st.sampled_from(["sd3", "flux", "wan"]))
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+def test_per_block_reweight_equals_native(case, family):
+    """Reweight per block (what FSDP2 runs): each block's per-row gradients, combined with the coefficients the
+    update's cotangent has at the backbone's output. SD3 without its float32 island to float64 rounding; Flux and
+    Wan within float32 rounding, their islands (as the whole-call Reweight, see test_reweight_equivalence)."""
+    config, prompts = case
+    native, fast, _, (g_native, g_fast), (d_native, d_fast) = _run_reweight(family, config, prompts, per_block=True)
+    assert isinstance(fast._engine, RegionalEngine) and fast.plan.schedule == "reweight"
+    tolerance = 1e-10 if family == "sd3" else 1e-5
+    assert bool(g_native) == bool(g_fast)
+    if g_native:
+        assert _relative(g_fast[0], g_native[0]) <= tolerance
+    if d_native.norm() > 0:
+        assert _relative(d_fast, d_native) <= tolerance
 
 
 def test_a_step_retained_at_a_fraction_keeps_that_fraction_of_the_blocks():

@@ -51,9 +51,9 @@ def _flat(trainer):
     return torch.cat([p.detach().flatten().double() for p in trainer.trainable])
 
 
-def _run_both(family, config, prompts, reward=tied_reward, **overrides):
+def _run_both(family, config, prompts, reward=tied_reward, per_block=None, **overrides):
     native = _build(family, config, reward, **overrides)
-    reweight = optimize(_build(family, config, reward, **overrides), schedule="reweight")
+    reweight = optimize(_build(family, config, reward, **overrides), schedule="reweight", per_block=per_block)
     grads = _capture_first_gradient(native), _capture_first_gradient(reweight)
     reweight.marks = mark_optimizer_steps(reweight)
     start = _flat(native)

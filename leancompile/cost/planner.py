@@ -306,9 +306,9 @@ def estimate_retain(m: StepModel) -> Estimate:
 
 
 def _gathered(s: Scenario) -> dict[str, int]:
-    """Under FSDP2 Reweight and the whole-call partition's mixes run on the whole weights (trainers.parallel): every
-    rank holds the rest of the weights and whole gradients until they are reduce-scattered. Retain per block
-    (runtime.regional) holds what native holds."""
+    """Under FSDP2 the whole-call partition's mixes (partial retention) run on the whole weights
+    (trainers.parallel): every rank holds the rest of the weights and whole gradients until they are
+    reduce-scattered. Retain and Reweight per block (runtime.regional) hold what native holds besides their own."""
     if s.sharding != "fsdp" or s.world_size == 1:
         return {}
     whole = (s.total_params - s.trainable_params) * s.weight_bytes + 2 * s.trainable_params * s.trainable_bytes
@@ -341,9 +341,18 @@ def estimate_reweight(m: StepModel) -> Estimate:
     flops = m.native.flops - g.eligible * g.window_calls * g.update_rows * (
         s.profile.forward.total_flops * (1 + cfg.gradient_checkpointing)
         + s.profile.backward.total_flops * (1 - backwards))
-    transient = int(call_memory(s, False, partition=True).subs({ROWS: g.rollout_rows, **m.values}))
-    return m.estimate(str(Schedule.REWEIGHT), m.gathered, {"gradient buffers": count * buffer, "kept outputs": kept,
-                                                           "activations (one call)": transient},
+    # each buffer's row keeps the cotangent it was made from (one output row), to find its coefficients
+    held = {"gradient buffers": count * buffer, "provisional cotangents": count * s.latent_bytes, "kept outputs": kept}
+    if m.per_block:  # FSDP2 (runtime.regional): no whole weights; each buffer's row also keeps, at every block, the
+        # cotangent it received and its inputs' gradients (each the size of the blocks' inputs, what checkpointing keeps)
+        per_row = sympy.Rational(s.profile.checkpoint_bytes, s.profile.tokens) * TOKENS
+        held["block cotangents and input gradients"] = int((count * 2 * per_row).subs(m.values))
+    # The kept call's activations live until its provisional backward has made its step's buffers: the peak holds
+    # the other steps' buffers and the larger of the two.
+    activations = int((g.rollout_rows * activations_per_row(s, m.per_block)).subs(m.values))
+    step_buffers = sum(v for k, v in held.items() if k != "kept outputs") / g.eligible
+    held["activations (one call, beyond its step's buffers)"] = max(0, int(activations - step_buffers))
+    return m.estimate(str(Schedule.REWEIGHT), m.static if m.per_block else m.gathered, held,
                       m.native.seconds - g.eligible * per_step + traffic, flops, all_steps(Action.REWEIGHT, g.eligible),
                       note=f"{count} gradient buffers of {format_bytes(buffer)}")
 

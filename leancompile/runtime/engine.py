@@ -131,11 +131,10 @@ class ScheduleRuntime:
 
     input_gradients = False  # whether a served call's inputs may require grad (their gradients are returned too)
 
-    @classmethod
-    def for_blocks(cls) -> "ScheduleRuntime | None":
-        """This schedule's runtime for a transformer block's engine, whose served calls return their inputs'
-        gradients too (see runtime.regional); None where it cannot serve one."""
-        return cls() if cls.input_gradients else None
+    def for_block(self) -> "ScheduleRuntime | None":
+        """A runtime with this one's settings for one transformer block's engine, whose served calls return their
+        inputs' gradients too (see runtime.regional); None where this schedule cannot serve a block."""
+        return None
 
     def gradients(self, engine: "ReuseEngine", match: Match, cotangent: torch.Tensor,
                   inputs: tuple[int, ...] = (), context=None) -> list[torch.Tensor] | None:

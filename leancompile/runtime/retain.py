@@ -32,6 +32,9 @@ class Retain(ScheduleRuntime):
         self.segments = segments
         self.pruned = tuple(pruned)
 
+    def for_block(self) -> "Retain":
+        return Retain(self.segments, self.pruned)
+
     def keep(self, engine: ReuseEngine, kept: KeptCall, saved: list[torch.Tensor], action) -> None:
         rows = len(kept.output)
         keep = list(range(rows))

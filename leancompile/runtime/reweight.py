@@ -67,12 +67,12 @@ class Reweight(ScheduleRuntime):
         # (BlockProvisional); a whole call's provisional backward starts at its own output.
         self.input_gradients = input_gradients
 
-    @classmethod
-    def for_blocks(cls) -> "Reweight":
-        return cls(input_gradients=True)
+    def for_block(self) -> "Reweight":
+        return Reweight(len(self.advantages) > 1, input_gradients=True)
 
     def keep(self, engine: ReuseEngine, kept: KeptCall, saved: list[torch.Tensor], action) -> None:
         kept.rows = saved  # until its provisional heads have run
+        kept.nbytes = sum(t.numel() * t.element_size() for t in saved)
 
     def provisional(self, engine: ReuseEngine, calls: list[KeptCall], heads) -> None:
         """Backpropagate ``heads`` (callables returning the trainer's loss on the kept output) through ``calls``.
