@@ -343,15 +343,15 @@ def estimate_reweight(m: StepModel) -> Estimate:
         + s.profile.backward.total_flops * (1 - backwards))
     # each buffer's row keeps the cotangent it was made from (one output row), to find its coefficients
     held = {"gradient buffers": count * buffer, "provisional cotangents": count * s.latent_bytes, "kept outputs": kept}
-    if m.per_block:  # FSDP2 (runtime.regional): no whole weights; each buffer's row also keeps, at every block, the
-        # cotangent it received and its inputs' gradients (each the size of the blocks' inputs, what checkpointing keeps)
+    if m.per_block:  # FSDP2 (runtime.regional): no whole weights; each buffer's row also keeps, at every block, its
+        # inputs' gradients (the size of the blocks' inputs, what checkpointing keeps)
         per_row = sympy.Rational(s.profile.checkpoint_bytes, s.profile.tokens) * TOKENS
-        held["block cotangents and input gradients"] = int((count * 2 * per_row).subs(m.values))
+        held["block input gradients"] = int((count * per_row).subs(m.values))
     # The kept call's activations live until its provisional backward has made its step's buffers: the peak holds
     # the other steps' buffers and the larger of the two.
     activations = int((g.rollout_rows * activations_per_row(s, m.per_block)).subs(m.values))
     step_buffers = sum(v for k, v in held.items() if k != "kept outputs") / g.eligible
-    held["activations (one call, beyond its step's buffers)"] = max(0, int(activations - step_buffers))
+    held["activations (kept call)"] = max(0, int(activations - step_buffers))
     return m.estimate(str(Schedule.REWEIGHT), m.static if m.per_block else m.gathered, held,
                       m.native.seconds - g.eligible * per_step + traffic, flops, all_steps(Action.REWEIGHT, g.eligible),
                       note=f"{count} gradient buffers of {format_bytes(buffer)}")

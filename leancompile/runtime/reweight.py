@@ -29,17 +29,19 @@ from .engine import KeptCall, Match, ReuseEngine, RowPick, ScheduleRuntime
 class ProvisionalRows:
     """One kept call's provisional work, row by row."""
 
-    cotangents: torch.Tensor  # (rows, k, *output) the provisional cotangents backpropagated
+    # (rows, k, *output) the provisional cotangents backpropagated (None per block: a block's coefficients are found
+    # at the backbone's output, see Coefficients)
+    cotangents: torch.Tensor | None
     gradients: list[tuple[torch.Tensor, ...]]  # per trainable parameter, per cotangent: (rows, *shape)
     used: torch.Tensor  # (rows,) bool: served to a call with grad already
     # per position among the call's tensors (a block's inputs), per cotangent: each row's input gradient
     inputs: dict[int, tuple[torch.Tensor, ...]] = field(default_factory=dict)
 
     @classmethod
-    def settle(cls, engine: ReuseEngine, kept: KeptCall, basis: list[torch.Tensor], gradients: list[list],
+    def settle(cls, engine: ReuseEngine, kept: KeptCall, basis: list[torch.Tensor] | None, gradients: list[list],
                inputs: dict[int, tuple[torch.Tensor, ...]] | None = None) -> None:
         """Replace ``kept``'s saved tensors by what ``basis`` gave (per cotangent, per parameter: ``gradients``)."""
-        kept.rows = cls(torch.stack(basis, dim=1), list(zip(*gradients)),
+        kept.rows = cls(None if basis is None else torch.stack(basis, dim=1), list(zip(*gradients)),
                         torch.zeros(len(kept.output), dtype=torch.bool, device="cpu"), inputs or {})  # host flags
         # Kept as the backward made them: stacking the cotangents' gradients copied every row of every parameter
         # (full fine-tuning under FlowGRPO's KL: most of the step's time)
@@ -202,18 +204,21 @@ class Heads:
 
     count: int
     current: int = 0
+    # The backbone calls whose rows' cotangents these heads record: those a head reached first in this run (a call
+    # backpropagated by an earlier run keeps the basis its blocks' gradients were made from)
+    recording: set = field(default_factory=set)
 
 
 class BlockProvisional:
     """One block engine's provisional backward under a module's loss heads (see the module's docstring): answers
-    the block's calls with grad during the heads, and keeps, per kept call and head, the cotangent each row
-    received and the per-row gradients it gave."""
+    the block's calls with grad during the heads, and keeps, per kept call and head, the per-row gradients of its
+    weights and inputs that each row's cotangent gave."""
 
     def __init__(self, engine: ReuseEngine, calls: list[KeptCall], heads: Heads):
         self.engine, self.heads = engine, heads
         self.pending = {id(kept): kept for kept in calls
                         if kept.rowwise is not None and not isinstance(kept.rows, ProvisionalRows)}
-        # id(kept) -> head -> (cotangent, per-parameter gradients, {input position: gradients}), each (rows, ...)
+        # id(kept) -> head -> (per-parameter gradients, {input position: gradients}), each (rows, ...)
         self.received: dict[int, dict[int, tuple]] = {}
 
     def answer(self, token: torch.Tensor):
@@ -233,8 +238,7 @@ class BlockProvisional:
         grads_in: dict[int, torch.Tensor] = {}
         for kept, rows, positions in match.by_call():
             if id(kept) not in self.pending:
-                continue  # a call backpropagated before: what reaches the blocks before it through here is missing,
-                # and their served calls' cotangents then fall outside the span (they recompute)
+                continue  # backpropagated by an earlier run: its rows keep what they have (rows are independent)
             program = kept.rowwise.program_of(kept.key)
             pick, here = RowPick(rows), RowPick(positions)
             saved = [pick.of(t).contiguous() for t in kept.rows]
@@ -247,16 +251,14 @@ class BlockProvisional:
             record = self.received.setdefault(id(kept), {}).get(head)
             if record is None:
                 whole = rows == list(range(rows_kept))
-                record = (cot.clone() if whole else _placed(cot, index, rows_kept),  # autograd may reuse its own
-                          [g if whole else _placed(g, index, rows_kept) for g in params],
+                record = ([g if whole else _placed(g, index, rows_kept) for g in params],
                           {i: g if whole else _placed(g, index, rows_kept) for i, g in per_input.items()})
                 self.received[id(kept)][head] = record
             else:  # another call of the same head reached other rows of this kept call
-                record[0].index_add_(0, index, cot)
-                for mine, g in zip(record[1], params):
+                for mine, g in zip(record[0], params):
                     mine.index_add_(0, index, g)
                 for i, g in per_input.items():
-                    record[2][i].index_add_(0, index, g)
+                    record[1][i].index_add_(0, index, g)
             where = torch.tensor(positions, device=device)
             for i in inputs:
                 if i in per_input:
@@ -278,11 +280,9 @@ class BlockProvisional:
                 continue
             first = next(iter(received.values()))
             heads = [received.get(h) for h in range(self.heads.count)]
-            positions = set.intersection(*(set(record[2]) for record in received.values()))
-            ProvisionalRows.settle(
-                self.engine, kept, [r[0] if r else torch.zeros_like(first[0]) for r in heads],
-                [r[1] if r else [None] * len(first[1]) for r in heads],
-                {i: tuple(r[2][i] if r else None for r in heads) for i in sorted(positions)})
+            positions = set.intersection(*(set(record[1]) for record in received.values()))
+            ProvisionalRows.settle(self.engine, kept, None, [r[0] if r else [None] * len(first[0]) for r in heads],
+                                   {i: tuple(r[1][i] if r else None for r in heads) for i in sorted(positions)})
         self.engine.forget(untouched)
         self.pending, self.received = {}, {}
 
@@ -345,7 +345,9 @@ class _AtOutput(torch.autograd.Function):
             for kept, rows, positions in groups:
                 if kept.rows is None:
                     kept.rows = flat.new_zeros((len(kept.inputs[0]), heads.count, flat.shape[1]))
-                kept.rows[:, heads.current].index_add_(0, rows, flat.index_select(0, positions))
+                    heads.recording.add(id(kept))
+                if id(kept) in heads.recording:
+                    kept.rows[:, heads.current].index_add_(0, rows, flat.index_select(0, positions))
         elif all(isinstance(kept.rows, torch.Tensor) for kept, _, _ in groups):
             order = torch.cat([positions for _, _, positions in groups])
             found = in_span(torch.cat([kept.rows.index_select(0, rows) for kept, rows, _ in groups]), flat[order])
