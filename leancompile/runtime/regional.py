@@ -38,7 +38,8 @@ from ..passes.pipeline import PassHistory
 from .calls import Call, output_layout
 from .engine import KeptCall, Match, ReuseEngine, ScheduleRuntime, StepLog
 from .identity import StateReader, row_keys
-from .reweight import BlockProvisional, Coefficients, Heads, Reweight
+from .reweight import Reweight
+from .reweight_blocks import BlockProvisional, Coefficients, Heads
 from .rowwise import RowwiseBackbone
 
 
