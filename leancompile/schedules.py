@@ -19,7 +19,8 @@ from dataclasses import dataclass
 import torch
 
 from . import passes
-from .cost.planner import Estimate, Estimator, StepModel, all_steps, estimate_retain, estimate_reweight, format_bytes
+from .cost.planner import (Estimate, Estimator, StepModel, all_steps, estimate_retain, estimate_reweight, format_bytes,
+                           reweight_per_block)
 from .plan import Action, Linearity, Refusal, Schedule, StepAction
 from .runtime.bitwise import BitwiseRetain
 from .runtime.engine import ReuseEngine, ScheduleRuntime
@@ -175,9 +176,15 @@ def _build_reweight(a: Analyses, planned: tuple[StepAction, ...]) -> Built:
                     rollout_traced=a.programs.rollout)
     steps = plan_steps(a.trainer.config, StepAction(0, Action.REWEIGHT))
     kept = Reweight(bool(a.linearity.advantage_free))
-    per_block = a.request.per_block
-    if per_block is None:  # under FSDP2 per block: each rank holds its samples' per-row gradients of each block
-        per_block = a.trainer.sync.kind == "fsdp"
+    per_block, fsdp = a.request.per_block, a.trainer.sync.kind == "fsdp" and a.trainer.sync.world_size > 1
+    if per_block is None:  # under FSDP2 per block where every rank keeps the same steps (see reweight_per_block)
+        per_block = a.trainer.sync.kind == "fsdp" and reweight_per_block(a.trainer.config)
+    elif per_block and fsdp and not reweight_per_block(a.trainer.config):
+        raise ValueError(f"per_block=True with schedule='reweight' under FSDP2 and trained_steps="
+                         f"{a.trainer.config.trained_steps!r}: each rank draws its own trained steps, and the loss "
+                         "heads that follow each kept rollout step would pass through FSDP2's per-block collectives "
+                         "on some ranks only (a deadlock); use trained_steps='first', or per_block=None (Reweight "
+                         "on the gathered weights)")
     return Built(steps, graphs, _engine(a.trainer, kept, steps, a.request, a.history, per_block),
                  EXACTNESS[Schedule.REWEIGHT],
                  buffers=("one provisional gradient per kept row and trained step (per basis cotangent: the policy "
@@ -213,6 +220,7 @@ def refusals(analyses: Analyses) -> tuple[Refusal, ...]:
 # ----------------------------------------------------------------------------------------- what builds share
 
 PER_BLOCK = "run per transformer block (runtime.regional)"
+
 EXACTNESS = {
     Schedule.NATIVE: "native: the trainer's own program",
     Schedule.RETAIN: ("exact in real arithmetic, float64 within rounding: the per-row program rounds differently "

@@ -22,6 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
 from .cost.devices import free_memory
@@ -59,6 +60,7 @@ class _Admission:
     closed_at: tuple | None = None  # the weights' versions when a call with grad closed the rollout
     calls: int = 0  # calls of this rollout asked about so far
     host_limit: int | None = None  # bytes the overflow may hold in host memory
+    agreed: bool = False  # the limit read from free memory is the least of every rank's (Reweight under FSDP2)
 
     def __call__(self, call: Call) -> StepAction | None:
         if self.engine.answering_with_leaves_now:  # a provisional head's call (a KL reference): its values are kept
@@ -72,6 +74,10 @@ class _Admission:
             return None
         if self.limit is None:
             self.limit = int(free_memory(call.device) * self.share)
+            if self.agreed and dist.is_initialized():  # every rank keeps the same calls (see wrap's per_block)
+                limit = torch.tensor([self.limit], dtype=torch.float64, device=call.device)
+                dist.all_reduce(limit, op=dist.ReduceOp.MIN)
+                self.limit = int(limit.item())
         if self.engine.held_bytes < self.limit:
             return self.action
         if self.overflow is None or call.device.type == "cpu":  # the host's memory is the device's
@@ -228,5 +234,8 @@ def wrap(module: torch.nn.Module, schedule: str = "retain", memory_limit: int | 
     action = StepAction(0, Action(schedule), "a call without grad of the wrapped module that matches no kept call")
     overflow = (StepAction(0, Action.OFFLOAD, "a kept call past the device's memory limit")
                 if auto and not bitwise else None)
-    engine.admit = _Admission(engine, action, memory_limit, trained, overflow)
+    # Reweight's heads backpropagate through FSDP2's per-block collectives: every rank must keep the same calls
+    agreed = per_block and schedule == str(Schedule.REWEIGHT) and any(isinstance(m, FSDPModule)
+                                                                      for m in module.modules())
+    engine.admit = _Admission(engine, action, memory_limit, trained, overflow, agreed=agreed)
     return Wrapped(module, engine)

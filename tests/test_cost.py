@@ -149,6 +149,11 @@ def test_under_fsdp_retain_and_reweight_run_per_block_and_hold_no_gathered_weigh
         assert components[name]["weights"] == components["native"]["weights"] == whole // 2 // 8
     assert components["reweight"]["gradient buffers"] == 4 * whole // 2  # per-sample gradients are whole
     assert cost["auto"].runs == "retain" and cost["auto"].note.endswith("(per block)")
+    # Ranks that draw their own trained steps would run Reweight's heads through FSDP2's per-block collectives at
+    # different steps: there it runs on the gathered weights
+    random = dataclasses.replace(scenario, config=dataclasses.replace(scenario.config, trained_steps="random"))
+    components = dict(plan(random, get_device("a100-80gb"), estimators=estimators())["reweight"].components)
+    assert components["gathered (FSDP2)"] == whole - whole // 8 and "block input gradients" not in components
 
 
 def test_the_solved_reweight_boundary_is_where_reweight_stops_fitting():

@@ -53,6 +53,7 @@ class Case:
 CASES = [Case(f"{parallel}-{schedule}", FLOW, parallel, schedule)
          for parallel in ("ddp", "fsdp") for schedule in ("native", "retain", "reweight")]
 CASES += [Case(f"dance-ddp-{schedule}", DANCE, "ddp", schedule, prompts_per_rank=1) for schedule in ("native", "auto")]
+CASES += [Case("fsdp-auto", FLOW, "fsdp", "auto")]
 CASES += [Case(f"same-ddp-{schedule}", HALF, "ddp", schedule, same_prompt=True) for schedule in ("native", "reweight")]
 CASES += [Case(f"two-steps-{parallel}-{schedule}", HALF, parallel, schedule)
           for parallel in ("ddp", "fsdp") for schedule in ("native", "retain")]
@@ -176,6 +177,9 @@ def test_what_each_engine_runs(ranks):
     assert results["same-ddp-reweight"]["stats"]["served_calls"] > 0  # groups span the ranks
     assert results["fsdp-retain"]["schedule"] == "retain" and results["fsdp-reweight"]["schedule"] == "reweight"
     assert results["fsdp-retain"]["stats"]["served_calls"] > 0
+    # auto under FSDP2: the planner's mix, run per block
+    assert results["fsdp-auto"]["per_block"] and results["fsdp-auto"]["stats"]["served_calls"] > 0, \
+        results["fsdp-auto"]["choice"]
     # after the first optimizer step the weights differ from the rollout's: the second step's micro-steps recompute
     for parallel in ("ddp", "fsdp"):
         two = results[f"two-steps-{parallel}-retain"]

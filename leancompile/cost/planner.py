@@ -322,6 +322,13 @@ def _estimate(name, static, extra, budget, seconds, flops, steps=(), runs=None, 
                     Schedule(name) if runs is None else runs, note)
 
 
+def reweight_per_block(config) -> bool:
+    """Whether Reweight may run per block under FSDP2: its loss heads run the backbone forward and backward after
+    each kept rollout step, through FSDP2's per-block all-gathers, which every rank must run in the same order. So
+    every rank must keep the same steps: the first k (ranks draw random and window steps of their own)."""
+    return config.trained_steps == "first"
+
+
 def estimate_reweight(m: StepModel) -> Estimate:
     """Gradient buffers instead of activations: the update's forward and backward move into the rollout, the
     backward once per provisional cotangent."""
@@ -343,18 +350,21 @@ def estimate_reweight(m: StepModel) -> Estimate:
         + s.profile.backward.total_flops * (1 - backwards))
     # each buffer's row keeps the cotangent it was made from (one output row), to find its coefficients
     held = {"gradient buffers": count * buffer, "provisional cotangents": count * s.latent_bytes, "kept outputs": kept}
-    if m.per_block:  # FSDP2 (runtime.regional): no whole weights; each buffer's row also keeps, at every block, its
+    per_block = m.per_block and reweight_per_block(cfg)
+    if per_block:  # (runtime.regional): no whole weights; each buffer's row also keeps, at every block, its
         # inputs' gradients (the size of the blocks' inputs, what checkpointing keeps)
         per_row = sympy.Rational(s.profile.checkpoint_bytes, s.profile.tokens) * TOKENS
         held["block input gradients"] = int((count * per_row).subs(m.values))
     # The kept call's activations live until its provisional backward has made its step's buffers: the peak holds
     # the other steps' buffers and the larger of the two.
-    activations = int((g.rollout_rows * activations_per_row(s, m.per_block)).subs(m.values))
+    activations = int((g.rollout_rows * activations_per_row(s, per_block)).subs(m.values))
     step_buffers = sum(v for k, v in held.items() if k != "kept outputs") / g.eligible
     held["activations (kept call)"] = max(0, int(activations - step_buffers))
-    return m.estimate(str(Schedule.REWEIGHT), m.static if m.per_block else m.gathered, held,
+    return m.estimate(str(Schedule.REWEIGHT), m.static if per_block else m.gathered, held,
                       m.native.seconds - g.eligible * per_step + traffic, flops, all_steps(Action.REWEIGHT, g.eligible),
-                      note=f"{count} gradient buffers of {format_bytes(buffer)}")
+                      note=f"{count} gradient buffers of {format_bytes(buffer)}"
+                           + (" (per block: each rank's own samples', whole and unreduced)" if per_block
+                              else " (on the gathered weights: ranks keep steps of their own)" if m.per_block else ""))
 
 
 def _auto(m: StepModel, others: list[Estimate], per_block: bool = False) -> Estimate:

@@ -31,6 +31,8 @@ from collections.abc import Callable
 from dataclasses import replace
 
 import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
 from torch.utils import _pytree as pytree
 
 from ..backbones.plain import plain_copy
@@ -227,18 +229,31 @@ class RegionalEngine:
                         losses.append(head())
                 outputs = [output for _, output in self._outputs.values()]
                 for heads_.current, loss in enumerate(losses):
-                    if not loss.requires_grad or not outputs:  # no call of the heads was verified
-                        continue
                     # The output's cotangent first: a head without this term (the advantage-free head of a loss
                     # with none) is zero there, and backpropagates nothing into the blocks
                     cotangents = torch.autograd.grad(loss, outputs, retain_graph=True, allow_unused=True,
-                                                     materialize_grads=True)
-                    if any(bool(c.any()) for c in cotangents):
+                                                     materialize_grads=True) if loss.requires_grad and outputs else ()
+                    if self._every_rank(any(bool(c.any()) for c in cotangents), token.device):
+                        if not outputs:
+                            raise RuntimeError(
+                                "Reweight per block under FSDP2: another rank's loss head backpropagates through "
+                                "the blocks and this rank's has no verified call to backpropagate, so FSDP2's "
+                                "per-block collectives would differ between ranks; keep the same calls on every "
+                                "rank (the same memory_limit and trained steps) or use schedule='retain'")
                         torch.autograd.grad(outputs, token, cotangents, retain_graph=True, allow_unused=True)
         finally:
             self.answering_with_leaves_now, self._heads, self._outputs = False, None, {}
         for recorder in recorders:
             recorder.settle()
+
+    def _every_rank(self, flag: bool, device: torch.device) -> bool:
+        """``flag`` on any rank, where the blocks are sharded by FSDP2: a head's backward through them runs FSDP2's
+        per-block all-gathers, which every rank must run alike (a head zero on one rank only runs everywhere)."""
+        if not (dist.is_initialized() and any(isinstance(b, FSDPModule) for b in self.blocks)):
+            return flag
+        value = torch.tensor([float(flag)], device=device)
+        dist.all_reduce(value, op=dist.ReduceOp.MAX)
+        return bool(value.item())
 
     @property
     def held_bytes(self) -> int:
