@@ -321,9 +321,10 @@ def test_a_loop_wrapped_per_block_under_reweight_trains_as_its_native_version(na
         assert _relative(g, g_native) <= tolerance
     module = trained_module(wrapped)
     reasons = {r.reason for r in module.last_calls if r.action == "recomputed"}
+    served_values = sum(r.action == "served values" for r in module.last_calls)
     stats = module.stats()
-    if name == "flowgrpo_sd3":
-        assert stats["served_calls"] == 0 and "training flags" in stats["recompute_reasons"]
+    if name == "flowgrpo_sd3":  # the KL reference's calls (adapters off): run once in the heads, then served
+        assert stats["served_calls"] == served_values > 0 and "training flags" in stats["recompute_reasons"]
     elif name == "grpo_llm":
         assert stats["served_calls"] > 0
         assert reasons <= {"Reweight per block: a row equals several kept rows"}, reasons

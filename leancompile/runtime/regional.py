@@ -38,7 +38,7 @@ from torch.utils import _pytree as pytree
 from ..backbones.plain import plain_copy
 from ..passes.pipeline import PassHistory
 from .calls import Call, output_layout
-from .engine import KeptCall, Match, ReuseEngine, ScheduleRuntime, StepLog
+from .engine import CallRecord, KeptCall, Match, ReuseEngine, ScheduleRuntime, StepLog
 from .identity import StateReader, row_keys
 from .reweight import Reweight
 from .reweight_blocks import BlockProvisional, Coefficients, Heads
@@ -84,6 +84,8 @@ class RegionalEngine:
         # its rows and constants (a second head's call is the first's: the blocks' weights are not gathered again)
         self._heads: Heads | None = None
         self._outputs: dict[tuple, object] = {}
+        self._values: dict[tuple, list[KeptCall]] = {}  # Reweight: values kept during the heads (see _values_of)
+        self._sharded = any(isinstance(block, FSDPModule) for block in self.blocks)  # by FSDP2
         self._share_log()
         self.schedule = self.engines[0].schedule
         if not self.schedule.input_gradients:
@@ -105,6 +107,11 @@ class RegionalEngine:
                 if memo in self._outputs:
                     self._current = _IDLE
                     return self._outputs[memo][0]
+            # Under FSDP2 only within the heads: a call served its values runs none of FSDP2's gathers, and
+            # whether an update's call matches may differ between ranks
+            if (self._current[0] is None and call.refusal is None and not torch.is_grad_enabled()
+                    and (self._heads is not None or (self._values and not self._sharded))):
+                return self._values_of(call)
         for engine in self.engines:
             engine.context = coefficients
         try:
@@ -125,6 +132,26 @@ class RegionalEngine:
             self._outputs[memo] = (layout.unpack(output), output)
             return self._outputs[memo][0]
         return layout.unpack(output)
+
+    def _values_of(self, call: Call):
+        """Reweight: a call without grad that matches no kept call (a KL reference with the adapters off) during
+        the heads runs once and its values are kept; the other heads' and the update's equal calls (inputs bitwise,
+        the same state) are served them."""
+        self._current = _IDLE
+        state, keys = self.reader.read(call), tuple(row_keys(call.row_inputs))
+        for kept in self._values.get(keys, ()):
+            if (kept.state.difference(state) is None
+                    and all(torch.equal(a, b) for a, b in zip(call.row_inputs, kept.inputs))
+                    and all(torch.equal(a, b) for a, b in zip(call.whole_inputs, kept.whole))):
+                self.log.records.append(CallRecord("served values", call.batch, "kept values"))
+                return pytree.tree_map(lambda t: t.clone() if torch.is_tensor(t) else t, kept.output)
+        with self._routed():  # the blocks see no verified call: they run natively
+            output = self.backbone(*call.args, **call.kwargs)
+        if self._heads is not None:
+            self._values.setdefault(keys, []).append(KeptCall(
+                state, tuple(t.detach() for t in call.row_inputs), tuple(t.detach() for t in call.whole_inputs),
+                pytree.tree_map(lambda t: t.detach().clone() if torch.is_tensor(t) else t, output), None))
+        return output
 
     def _identity(self, call: Call) -> tuple[tuple[torch.Tensor, ...] | None, str, str]:
         """A block call's identity: the rows of the backbone call it runs in, where that call is verified (else
@@ -197,7 +224,7 @@ class RegionalEngine:
 
     def _forget(self) -> None:
         """Drop every kept call: made with other weights, they can never be matched again."""
-        self._calls, self._index = [], {}
+        self._calls, self._index, self._values = [], {}, {}
         self._fingerprint, self._checked = None, True
         for engine in self.engines:
             engine.release()
@@ -249,7 +276,7 @@ class RegionalEngine:
     def _every_rank(self, flag: bool, device: torch.device) -> bool:
         """``flag`` on any rank, where the blocks are sharded by FSDP2: a head's backward through them runs FSDP2's
         per-block all-gathers, which every rank must run alike (a head zero on one rank only runs everywhere)."""
-        if not (dist.is_initialized() and any(isinstance(b, FSDPModule) for b in self.blocks)):
+        if not (self._sharded and dist.is_initialized()):
             return flag
         value = torch.tensor([float(flag)], device=device)
         dist.all_reduce(value, op=dist.ReduceOp.MAX)
