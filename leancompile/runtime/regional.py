@@ -231,7 +231,7 @@ class RegionalEngine:
 
     def provisional(self, heads: list, calls: list[list[KeptCall]] | None = None) -> None:
         """Reweight per block: run each loss head on the module as the update will, every block's call answered
-        with its kept output (:class:`~leancompile.runtime.reweight.BlockProvisional`), and backpropagate it
+        with its kept output (:class:`~leancompile.runtime.reweight_blocks.BlockProvisional`), and backpropagate it
         through the module's own graph, so that each block's cotangent comes from the module around it and FSDP2
         gathers the block's weights for its one-row backward as it does for native's (and reduce-scatters nothing:
         no parameter receives a gradient). ``calls``: per block, the calls to backpropagate (default: every kept

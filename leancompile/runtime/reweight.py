@@ -61,7 +61,7 @@ class Reweight(ScheduleRuntime):
         # terms. A loop whose loss has them after all gets cotangents outside the span, which recompute.
         self.advantages = (1.0, 0.0) if advantage_free else (1.0,)
         # A block's engine keeps each row's input gradients too, from cotangents its block call receives
-        # (BlockProvisional); a whole call's provisional backward starts at its own output.
+        # (runtime.reweight_blocks); a whole call's provisional backward starts at its own output.
         self.input_gradients = input_gradients
 
     def for_block(self) -> "Reweight":
