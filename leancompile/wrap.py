@@ -179,7 +179,7 @@ def wrap(module: torch.nn.Module, schedule: str = "retain", memory_limit: int | 
             gathers and reduce-scatters run as they do natively: a module sharded with ``fully_shard`` is never
             gathered whole. ``None``: per block when a submodule of ``module`` is sharded by FSDP2. Not with
             ``bitwise=True``; under Reweight each block keeps its per-row gradients as FSDP2 gathers them (whole
-            per block, unreduced: see :mod:`leancompile.runtime.reweight`).
+            per block, unreduced: see :mod:`leancompile.runtime.reweight_blocks`).
         trained: a hint where the loop knows which of a rollout's calls its update will train: ``trained(n)`` for
             the rollout's n-th call without grad (from 0, counted from the first call after the weights changed),
             False for a call that is not to be kept (FlowGRPO's steps past the first k of each sample batch:
@@ -213,8 +213,9 @@ def wrap(module: torch.nn.Module, schedule: str = "retain", memory_limit: int | 
                          f"schedule={schedule!r}")
     if per_block is not None and not isinstance(per_block, bool):
         raise ValueError(f"per_block must be True, False or None; got {per_block!r}")
+    sharded = any(isinstance(m, FSDPModule) for m in module.modules())
     if per_block is None:
-        per_block = any(isinstance(m, FSDPModule) for m in module.modules())
+        per_block = sharded
     runtime = BitwiseRetain() if bitwise else SCHEDULES[Schedule(schedule)].runtime()
     if per_block:
         if runtime.for_block() is None:
@@ -235,7 +236,6 @@ def wrap(module: torch.nn.Module, schedule: str = "retain", memory_limit: int | 
     overflow = (StepAction(0, Action.OFFLOAD, "a kept call past the device's memory limit")
                 if auto and not bitwise else None)
     # Reweight's heads backpropagate through FSDP2's per-block collectives: every rank must keep the same calls
-    agreed = per_block and schedule == str(Schedule.REWEIGHT) and any(isinstance(m, FSDPModule)
-                                                                      for m in module.modules())
+    agreed = per_block and sharded and schedule == str(Schedule.REWEIGHT)
     engine.admit = _Admission(engine, action, memory_limit, trained, overflow, agreed=agreed)
     return Wrapped(module, engine)
