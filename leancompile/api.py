@@ -61,9 +61,9 @@ def optimize(trainer, schedule: str = "auto", memory_budget: float | None = None
         per_block: run Retain or Reweight per transformer block (:mod:`leancompile.runtime.regional`: the
             module around the blocks runs natively, each block's calls are served inside a verified backbone
             call), which keeps FSDP2's per-block gathers and reduce-scatters; a step the plan retains at a
-            fraction f keeps that fraction of the blocks. ``None``: per block under FSDP2 (``parallel="fsdp"``)
-            unless auto's plan prices Retain's whole call on the gathered weights, the whole call otherwise.
-            ``memory_budget`` and bitwise Retain run the whole call.
+            fraction f (or ``memory_budget``) runs each block's partition at activation budget f. ``None``: per
+            block under FSDP2 (``parallel="fsdp"``) unless auto's plan prices Retain's whole call on the gathered
+            weights, the whole call otherwise. Bitwise Retain runs the whole call.
 
     Returns:
         The optimized trainer, with ``.plan``, ``.graphs``, ``.pass_history`` (every pass run, at compile time
@@ -82,9 +82,9 @@ def optimize(trainer, schedule: str = "auto", memory_budget: float | None = None
                          "forward in the per-row program, which is not bitwise; drop one of them")
     if per_block is not None and not isinstance(per_block, bool):
         raise ValueError(f"per_block must be True, False or None; got {per_block!r}")
-    if per_block and (bitwise or (memory_budget is not None and memory_budget < 1)):
-        raise ValueError("per_block=True keeps whole blocks' activations or gradients; it cannot serve bitwise=True "
-                         "or memory_budget < 1: drop per_block or those")
+    if per_block and bitwise:
+        raise ValueError("per_block=True runs each block's compiled partition; it cannot serve bitwise=True (which "
+                         "keeps the eager graph of the whole call): drop one of them")
     if not isinstance(tune_matmuls, bool):
         raise ValueError(f"tune_matmuls must be True or False; got {tune_matmuls!r}")
     if memory_limit is not None and (not isinstance(memory_limit, int) or memory_limit <= 0):

@@ -115,14 +115,13 @@ def _build_retain(a: Analyses, planned: tuple[StepAction, ...], kind: Action = A
         # The eager graph is kept whole: nothing pruned.
         return Built(steps, graphs, _engine(a.trainer, BitwiseRetain(), steps, request, history), EXACTNESS_BITWISE)
     per_block = request.per_block
-    if per_block is None:  # under FSDP2 per block, unless the plan keeps part of the partition on gathered weights
-        per_block = a.trainer.sync.kind == "fsdp" and (a.cost["auto"].per_block if a.cost is not None
-                                                       else not partial)
+    if per_block is None:  # under FSDP2 per block, unless auto's plan prices the partition on gathered weights
+        per_block = a.trainer.sync.kind == "fsdp" and (a.cost is None or a.cost["auto"].per_block)
     runs = ""
     if per_block:
         runs = PER_BLOCK
         if any(s.fraction < 1 for s in steps if s.keeps):
-            runs += ", a step retained at a fraction keeping that fraction of the blocks"
+            runs += ", a step retained at a fraction f running each block's partition at activation budget f"
     kept = Retain(layout.segments, need.pruned)
     return Built(steps, graphs, _engine(a.trainer, kept, steps, request, history, per_block),
                  EXACTNESS[Schedule.RETAIN], pruned=tuple(need.pruned), runs=runs)
@@ -257,7 +256,9 @@ class Graphs(dict):
 def _engine(trainer, schedule: ScheduleRuntime, steps, request: Request, history: passes.PassHistory,
             per_block: bool = False):
     """The engine for ``trainer``'s backbone: one per-row backbone per activation budget the plan uses, or with
-    ``per_block`` one engine per transformer block (FSDP2's own gathers kept, see runtime.regional)."""
+    ``per_block`` one engine per transformer block (FSDP2's own gathers kept, see runtime.regional), each with one
+    per-row block per budget."""
+    fractions = {s.fraction for s in steps if s.keeps} | {1.0}
     if per_block:
         backbone = trainer.backbone
         if trainer.sync.kind == "fsdp":
@@ -269,12 +270,11 @@ def _engine(trainer, schedule: ScheduleRuntime, steps, request: Request, history
             backbone = trainer.sync.root
         blocks = [block for _, stack in backbone.block_stacks() for block in stack]
         return RegionalEngine(backbone, blocks, schedule.for_block, request.tune_matmuls, history,
-                              shared=backbone.spec.block_shared)
+                              shared=backbone.spec.block_shared, fractions=tuple(fractions))
     # The whole call runs on the weights the step runs on: the trainer's, or under FSDP2 its gathered copy (the
     # analyses ran on fake ones).
     with trainer.sync.whole_weights(trainer) as (backbone, _):
         pass
-    fractions = {s.fraction for s in steps if s.keeps} | {1.0}
     rowwise = {f: RowwiseBackbone(backbone, f, tune_matmuls=request.tune_matmuls, history=history)
                for f in sorted(fractions)}
     return ReuseEngine(backbone, schedule, rowwise, sync=trainer.sync)

@@ -13,7 +13,8 @@ from leancompile.cost import DEVICES, get_device, live_device, plan, profile_cal
 from leancompile.cost.planner import reweight_sample_limit
 from saved_memory import LiveSavedTensors, static_bytes
 from leancompile.cost.scenario import reweight_buffers
-from leancompile.cost.profile import _fake_copy, _fake_inputs, _measure_call
+from leancompile.cost.profile import _fake_copy, _fake_inputs, _measure_call, _recording_blocks
+from leancompile.cost.saved import block_saved_bytes
 from leancompile.cost.workload import FlopCounter
 from leancompile.trainers import DanceGRPOConfig, FlowGRPOConfig
 from leancompile.plan import Action
@@ -64,6 +65,14 @@ def test_profiles_multiply_out_block_kinds_exactly(family, depth):
     assert extrapolated.forward == whole.forward and extrapolated.backward == whole.backward
     assert extrapolated.checkpoint_bytes == whole.checkpoint
     assert extrapolated.block_retained_bytes == whole.per_block > 0
+    # Each block's partition at a partial budget (Retain per block at retain@f), one block of each kind multiplied
+    # out, against every block of the whole model partitioned at that budget
+    with _recording_blocks(fake) as calls, mode:
+        fake(*_fake_inputs(fake, 1, mode))
+    with mode:
+        at_zero = sum(block_saved_bytes(block, a, kw, 0.0) for block, a, kw in calls)
+    assert extrapolated.retained_at(0.0, per_block=True) == at_zero
+    assert 0 < at_zero < extrapolated.retained_at(1.0, per_block=True) == whole.per_block
 
 
 @pytest.mark.parametrize("family, config", [
@@ -149,6 +158,13 @@ def test_under_fsdp_retain_and_reweight_run_per_block_and_hold_no_gathered_weigh
         assert components[name]["weights"] == components["native"]["weights"] == whole // 2 // 8
     assert components["reweight"]["gradient buffers"] == 4 * whole // 2  # per-sample gradients are whole
     assert cost["auto"].runs == "retain" and cost["auto"].note.endswith("(per block)")
+    # Where not even one step fits whole (and nothing can be offloaded), a step keeps each block's partition at a
+    # partial budget, per block
+    step = dict(cost["retain"].components)["retained activations"] // 3
+    tight = plan(scenario, dataclasses.replace(get_device("a100-80gb"), host_link=None),
+                 cost["native"].peak_bytes + step // 2, estimators=estimators())
+    partial = [a for a in tight["auto"].steps if a.kind is Action.RETAIN]
+    assert tight["auto"].per_block and partial and all(0 < a.fraction < 1 for a in partial), tight["auto"]
     # Ranks that draw their own trained steps would run Reweight's heads through FSDP2's per-block collectives at
     # different steps: there it runs on the gathered weights
     random = dataclasses.replace(scenario, config=dataclasses.replace(scenario.config, trained_steps="random"))

@@ -369,32 +369,30 @@ def estimate_reweight(m: StepModel) -> Estimate:
 
 def _auto(m: StepModel, others: list[Estimate], per_block: bool = False) -> Estimate:
     """The best per-step mix of retain / retain@f / offload / recompute, or another schedule's estimate, or
-    native. ``per_block`` (FSDP2): ``retain@f`` keeps a fraction f of the transformer blocks (runtime.regional),
-    and there is no checkpoint level (a block keeps all of its activations or none); otherwise the mix runs on
-    ``m.gathered``, the weights a whole-call partition runs on.
+    native. ``per_block`` (FSDP2): each transformer block's own partition (runtime.regional); otherwise the mix
+    runs on ``m.gathered``, the weights a whole-call partition runs on.
 
     A step retained at fraction f holds what the partition saves at activation memory budget f (profiled at
-    ``PARTIAL_BUDGETS``; per block, f of the step) and saves ``ckpt + f`` update forwards (under native
-    checkpointing the update runs its forward twice; the partition recomputes ``1 - f`` of one). The best mix
-    raises every step to f = 0 where that saves time, then fills whole steps to f = 1 while they fit, and one
-    step at the largest fraction that fits.
+    ``PARTIAL_BUDGETS``; per block, every block's partition at budget f) and saves ``ckpt + f`` update forwards
+    (under native checkpointing the update runs its forward twice; the partition recomputes ``1 - f`` of one).
+    The best mix raises every step to f = 0 where that saves time, then fills whole steps to f = 1 while they
+    fit, and one step at the largest budget that fits.
     """
     s, g, native, device = m.scenario, m.geometry, m.native, m.device
     static = m.static if per_block else m.gathered
     step_bytes = m.retained_step_bytes(per_block)
+    whole = s.profile.retained_at(1.0, per_block)
     ckpt = bool(s.config.gradient_checkpointing)
     forward_s, forward_f = m.saved_seconds / (1 + ckpt), m.saved_flops / (1 + ckpt)  # one window forward of a step
 
     def held_at(f: float) -> int:
-        if per_block:
-            return int(f * step_bytes)
-        return int(step_bytes * s.profile.retained_at(f) / max(s.profile.retained_bytes, 1))
+        return int(step_bytes * s.profile.retained_at(f, per_block) / max(whole, 1))
 
-    low = held_at(0.0) if ckpt and not per_block else 0
+    low = held_at(0.0) if ckpt else 0
     room = m.budget - sum(static.values()) - m.transient
     offload_s = (1 + ckpt) * forward_s - 2 * step_bytes / device.host_link if device.host_link else -math.inf
     fractions = [None] * g.eligible  # None: recompute
-    if ckpt and g.eligible * low <= room and not per_block:
+    if ckpt and g.eligible * low <= room:
         fractions = [0.0] * g.eligible
         room -= g.eligible * low
     for i in range(g.eligible):
@@ -402,20 +400,17 @@ def _auto(m: StepModel, others: list[Estimate], per_block: bool = False) -> Esti
         if step_bytes - already <= room:
             fractions[i], room = 1.0, room - (step_bytes - already)
             continue
-        if per_block:
-            partial = math.floor(room / max(step_bytes, 1) * 100) / 100
-        else:  # the largest profiled budget that fits
-            partial = next((f for f in sorted(PARTIAL_BUDGETS, reverse=True)
-                            if 0 < f < 1 and held_at(f) - already <= room), 0.0)
+        partial = next((f for f in sorted(PARTIAL_BUDGETS, reverse=True)  # the largest profiled budget that fits
+                        if 0 < f < 1 and held_at(f) - already <= room), 0.0)
         if partial >= _SMALLEST_PARTIAL:
             fractions[i] = partial
             room = 0
         break
     steps, seconds, flops, held = [], native.seconds, native.flops, 0
     for f in fractions:
-        # Forwards of the step saved: a kept block serves its forward and, under checkpointing, its recomputation;
-        # the partition at budget f saves the checkpoint's recomputation and f of the forward.
-        share = 0.0 if f is None else (1 + ckpt) * f if per_block else ckpt + f
+        # Forwards of the step saved: the partition at budget f saves the checkpoint's recomputation and f of the
+        # forward.
+        share = 0.0 if f is None else ckpt + f
         gain = share * forward_s
         if offload_s > gain and (f is None or f < 1):
             steps.append(StepAction(len(steps), Action.OFFLOAD))

@@ -8,6 +8,7 @@ out (the blocks of a kind are identical, so this is exact up to the partitioner'
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import copy
 import functools
@@ -40,16 +41,19 @@ class CallProfile:
     blocks: int  # transformer blocks (checkpointing recomputes one at a time)
     forward: Workload  # forward with grad (the rollout's no-grad forward runs the same operators)
     backward: Workload
-    # Traced when a partial retention is first priced (a whole-call partition per budget)
+    # Traced when a partial retention is first priced (a partition per budget: the whole call's, each block's)
     measure_budget: Callable[[float], int] = field(compare=False, repr=False)
+    measure_block_budget: Callable[[float], int] = field(compare=False, repr=False)
 
-    def retained_at(self, budget: float) -> int:
+    def retained_at(self, budget: float, per_block: bool = False) -> int:
         """What the partition saves at activation memory budget ``budget`` (one of PARTIAL_BUDGETS): retain@f keeps
         the partition at budget f, and the min-cut answers in steps, not in proportion (tiny Flux at 0.15 keeps
-        0.42 of it)."""
+        0.42 of it). ``per_block``: the blocks' own partitions, each at that budget."""
         if budget not in PARTIAL_BUDGETS:
             raise ValueError(f"budget must be one of {PARTIAL_BUDGETS}; got {budget!r}")
-        return self.retained_bytes if budget == 1 else self.measure_budget(budget)
+        if budget == 1:
+            return self.block_retained_bytes if per_block else self.retained_bytes
+        return self.measure_block_budget(budget) if per_block else self.measure_budget(budget)
 
 
 def profile_call(backbone, autocast: torch.dtype | None = None, device_type: str = "cpu") -> CallProfile:
@@ -86,8 +90,18 @@ def profile_call(backbone, autocast: torch.dtype | None = None, device_type: str
         with cast, mode:
             return total.retained * _saved_at(smallest, args, budget, base.retained) // max(base.retained, 1)
 
+    counts = collections.Counter(repr(block) for _, stack, _ in stacks for block in stack)
+
+    @functools.lru_cache(maxsize=None)
+    def measure_block_budget(budget: float) -> int:
+        # One block of each kind at this budget, times the blocks of its kind
+        with cast, _recording_blocks(smallest) as calls, mode:
+            smallest(*args)
+            kinds = {repr(block): (block, a, kw) for block, a, kw in calls}
+            return sum(counts[kind] * block_saved_bytes(*call, budget) for kind, call in kinds.items())
+
     return CallProfile(_tokens(fake), total.retained, total.eager, total.checkpoint, total.per_block, blocks,
-                       total.forward, total.backward, measure_budget)
+                       total.forward, total.backward, measure_budget, measure_block_budget)
 
 
 @dataclass(frozen=True)
@@ -114,18 +128,11 @@ class _Measured:
 
 def _measure_call(fake, args, mode) -> _Measured:
     """One call of ``fake``: the partition's saved bytes, the blocks' inputs, the forward's and backward's ops."""
-    block_calls = []
-    handles = [b.register_forward_pre_hook(lambda block, a, kw: block_calls.append((block, a, kw)), with_kwargs=True)
-               for _, blocks in fake.block_stacks() for b in blocks]
     counter = WorkloadCounter()
     eager = SavedBytes(frozenset(StorageWeakRef(t.untyped_storage()) for t in (*fake.parameters(), *fake.buffers())),
                        storage_key=lambda t: StorageWeakRef(t.untyped_storage()))
-    try:
-        with mode, counter, eager.counting():
-            out = fake(*args)
-    finally:
-        for h in handles:
-            h.remove()
+    with _recording_blocks(fake) as block_calls, mode, counter, eager.counting():
+        out = fake(*args)
     forward = counter.workload()
     trainable = [p for p in fake.parameters() if p.requires_grad]
     counter = WorkloadCounter()
@@ -180,6 +187,19 @@ def _saved_at(fake, args, budget: float, full: int) -> int:
         return partition_saved_bytes(fake, *args, memory_budget=budget)
     except RuntimeError:
         return full
+
+
+@contextlib.contextmanager
+def _recording_blocks(fake):
+    """Yields the list of ``(block, args, kwargs)`` of the block calls made inside."""
+    calls = []
+    handles = [b.register_forward_pre_hook(lambda block, a, kw: calls.append((block, a, kw)), with_kwargs=True)
+               for _, blocks in fake.block_stacks() for b in blocks]
+    try:
+        yield calls
+    finally:
+        for h in handles:
+            h.remove()
 
 
 def _block_saved(block, args, kwargs, seen: dict) -> int:

@@ -63,9 +63,10 @@ def partition_saved_bytes(backbone, x, sigma, cond: Conditioning, memory_budget:
     return _activation_bytes(graphs["forward"].graph, len(params) + len(buffers), outputs=1)
 
 
-def block_saved_bytes(block, args: tuple, kwargs: dict) -> int:
-    """Bytes of the activations a transformer block's own min-cut partition saves for one call, weights excluded,
-    its floating inputs requiring grad: what Retain per block (runtime.regional) keeps of it."""
+def block_saved_bytes(block, args: tuple, kwargs: dict, memory_budget: float = 1.0) -> int:
+    """Bytes of the activations a transformer block's own min-cut partition saves for one call at activation
+    memory budget ``memory_budget``, weights excluded, its floating inputs requiring grad: what Retain per block
+    (runtime.regional) keeps of it."""
     params, buffers, graphs, outputs = dict(block.named_parameters()), dict(block.named_buffers()), {}, []
     leaves, spec = torch.utils._pytree.tree_flatten((args, kwargs))
     tensors = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
@@ -86,7 +87,7 @@ def block_saved_bytes(block, args: tuple, kwargs: dict) -> int:
 
     values = [leaves[i].detach().requires_grad_(leaves[i].is_floating_point()) for i in tensors]
     compiled = aot_function(forward, fw_compiler=keep_forward, partition_fn=min_cut_rematerialization_partition)
-    with contextlib.suppress(_Partitioned):
+    with functorch_config.patch(activation_memory_budget=memory_budget), contextlib.suppress(_Partitioned):
         compiled(params, buffers, *values)
     return _activation_bytes(graphs["forward"].graph, len(params) + len(buffers), outputs[0])
 

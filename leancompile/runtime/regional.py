@@ -28,7 +28,6 @@ from __future__ import annotations
 import contextlib
 import inspect
 from collections.abc import Callable
-from dataclasses import replace
 
 import torch
 import torch.distributed as dist
@@ -53,10 +52,12 @@ class RegionalEngine:
 
     def __init__(self, backbone: torch.nn.Module, blocks: list[torch.nn.Module],
                  schedule: Callable[[], ScheduleRuntime], tune_matmuls: bool = True, history: PassHistory | None = None,
-                 shared: tuple[str, ...] = (), call_shared: frozenset[str] = frozenset()):
+                 shared: tuple[str, ...] = (), call_shared: frozenset[str] = frozenset(),
+                 fractions: tuple[float, ...] = (1.0,)):
         """``schedule`` makes each block's schedule; it must serve calls whose inputs require grad (Retain).
         ``shared``: the blocks' arguments that every row shares whatever their leading size (a family's
-        ``block_shared``); ``call_shared``: the backbone's (see runtime.calls)."""
+        ``block_shared``); ``call_shared``: the backbone's (see runtime.calls). ``fractions``: the activation
+        memory budgets the plan keeps steps at (each block's partition at each)."""
         self.backbone = backbone
         self.call_shared = call_shared
         # For a wrapped module: the action to keep a call without grad that matches nothing under (None: not kept),
@@ -64,12 +65,14 @@ class RegionalEngine:
         self.admit = None
         self.blocks = list(blocks)
         self.engines = []
-        programs: dict[tuple, dict] = {}  # per block structure: its compiled programs
+        programs: dict[tuple, dict] = {}  # per block structure and budget: its compiled programs
         for block in self.blocks:
             native = type(block).forward.__get__(block)  # the class's forward: the hooks run around the routing
-            rowwise = RowwiseBackbone(block, 1.0, tune_matmuls, history, traced=plain_copy(block), live_weights=True,
-                                      input_grads=True, programs=programs.setdefault(structure(block), {}))
-            self.engines.append(ReuseEngine(block, schedule(), {1.0: rowwise}, native=native, shared=frozenset(shared)))
+            traced, kind = plain_copy(block), structure(block)
+            rowwise = {f: RowwiseBackbone(block, f, tune_matmuls, history, traced=traced, live_weights=True,
+                                          input_grads=True, programs=programs.setdefault((kind, f), {}))
+                       for f in sorted({*fractions, 1.0})}
+            self.engines.append(ReuseEngine(block, schedule(), rowwise, native=native, shared=frozenset(shared)))
         for engine in self.engines:
             engine.identity = self._identity
         self._routes = [_ByName(engine, inspect.signature(type(block).forward)) for block, engine
@@ -302,19 +305,13 @@ class RegionalEngine:
 
     @contextlib.contextmanager
     def keeping(self, action):
-        """The blocks keep their calls made inside under ``action``: all of them, or the first ``fraction`` of them
-        (``retain@f``: the others run natively in the update, their inputs the kept blocks' outputs); yields the
-        kept block calls."""
-        fraction = getattr(action, "fraction", 1.0)
-        kept = max(1, round(fraction * len(self.engines)))
-        whole = replace(action, fraction=1.0) if fraction != 1.0 else action  # a block keeps all or nothing
+        """The blocks keep their calls made inside under ``action``, each at the action's activation memory budget
+        (``retain@f``: every block's partition at budget f, recomputing the rest of its forward in the backward);
+        yields the kept block calls."""
         made = []
         with contextlib.ExitStack() as stack:
-            for i, engine in enumerate(self.engines):
-                if i < kept:
-                    made.append(stack.enter_context(engine.keeping(whole)))
-                else:
-                    stack.enter_context(engine.passing())
+            for engine in self.engines:
+                made.append(stack.enter_context(engine.keeping(action)))
             self._keeping = True
             try:
                 yield made
