@@ -375,8 +375,8 @@ def _auto(m: StepModel, others: list[Estimate], per_block: bool = False) -> Esti
     A step retained at fraction f holds what the partition saves at activation memory budget f (profiled at
     ``PARTIAL_BUDGETS``; per block, every block's partition at budget f) and saves ``ckpt + f`` update forwards
     (under native checkpointing the update runs its forward twice; the partition recomputes ``1 - f`` of one).
-    The best mix raises every step to f = 0 where that saves time, then fills whole steps to f = 1 while they
-    fit, and one step at the largest budget that fits.
+    The best mix raises as many steps as fit to f = 0 where that saves time, then fills whole steps to f = 1
+    while they fit, and one step at the largest budget that fits.
     """
     s, g, native, device = m.scenario, m.geometry, m.native, m.device
     static = m.static if per_block else m.gathered
@@ -392,9 +392,10 @@ def _auto(m: StepModel, others: list[Estimate], per_block: bool = False) -> Esti
     room = m.budget - sum(static.values()) - m.transient
     offload_s = (1 + ckpt) * forward_s - 2 * step_bytes / device.host_link if device.host_link else -math.inf
     fractions = [None] * g.eligible  # None: recompute
-    if ckpt and g.eligible * low <= room:
-        fractions = [0.0] * g.eligible
-        room -= g.eligible * low
+    if ckpt:  # the checkpoint level first, for as many steps as fit: it saves a forward for the fewest bytes
+        level = g.eligible if low <= 0 else min(g.eligible, max(0, room) // low)
+        fractions[:level] = [0.0] * level
+        room -= level * low
     for i in range(g.eligible):
         already = 0 if fractions[i] is None else low
         if step_bytes - already <= room:
