@@ -40,6 +40,7 @@ class Case:
     schedule: str
     prompts_per_rank: int = 2
     same_prompt: bool = False
+    memory_budget: float | None = None
 
     def prompts(self, rank: int) -> list[int]:
         if self.same_prompt:  # every rank samples the same prompts
@@ -53,7 +54,7 @@ class Case:
 CASES = [Case(f"{parallel}-{schedule}", FLOW, parallel, schedule)
          for parallel in ("ddp", "fsdp") for schedule in ("native", "retain", "reweight")]
 CASES += [Case(f"dance-ddp-{schedule}", DANCE, "ddp", schedule, prompts_per_rank=1) for schedule in ("native", "auto")]
-CASES += [Case("fsdp-auto", FLOW, "fsdp", "auto")]
+CASES += [Case("fsdp-auto", FLOW, "fsdp", "auto"), Case("fsdp-retain@0.25", FLOW, "fsdp", "retain", memory_budget=0.25)]
 CASES += [Case(f"same-ddp-{schedule}", HALF, "ddp", schedule, same_prompt=True) for schedule in ("native", "reweight")]
 CASES += [Case(f"two-steps-{parallel}-{schedule}", HALF, parallel, schedule)
           for parallel in ("ddp", "fsdp") for schedule in ("native", "retain")]
@@ -72,7 +73,7 @@ def _worker(rank, port, cases, out):
         trainer = _build("sd3", case.rank_config())
         before = trainer.sync.gathers
         if case.schedule != "native":
-            trainer = optimize(trainer, schedule=case.schedule)
+            trainer = optimize(trainer, schedule=case.schedule, memory_budget=case.memory_budget)
         compile_gathers = trainer.sync.gathers - before
         grads = []
         trainer.optimizer.register_step_pre_hook(
@@ -201,6 +202,12 @@ def test_fsdp_runs_per_block_under_fsdp2s_own_gathers(ranks):
             assert stats["served_calls"] > 0 and stats["recomputed_calls"] == 0, stats
         assert native["weight_gathers"] < reweight["weight_gathers"] <= 3 * native["weight_gathers"]
         assert rank["fsdp-retain"]["per_block"] and rank["fsdp-reweight"]["per_block"]
+        # Retain at activation budget 0.25: each block's partition keeps less and recomputes the rest in its
+        # backward, on the weights FSDP2 gathered for it; every call still served, gathered as native's
+        partial = rank["fsdp-retain@0.25"]
+        assert partial["per_block"] and partial["stats"]["weight_gathers"] == native["weight_gathers"]
+        assert partial["stats"]["served_calls"] == retain["served_calls"] and partial["stats"]["recomputed_calls"] == 0
+        assert 0 < partial["stats"]["retained_bytes"] < retain["retained_bytes"]
         # optimize() traces and analyses on fake whole weights: per block, nothing is gathered before the step.
         assert rank["fsdp-retain"]["compile_gathers"] == rank["fsdp-reweight"]["compile_gathers"] == 0
 
