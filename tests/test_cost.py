@@ -10,7 +10,7 @@ from benchmarks.measure import interleaved_times, paired_speedup
 from leancompile import backbones, optimize
 from leancompile.cli import main as cli
 from leancompile.cost import DEVICES, get_device, live_device, plan, profile_call, trainer_scenario
-from leancompile.cost.planner import reweight_sample_limit
+from leancompile.cost.planner import format_bytes, reweight_sample_limit
 from saved_memory import LiveSavedTensors, static_bytes
 from leancompile.cost.scenario import reweight_buffers
 from leancompile.cost.profile import _fake_copy, _fake_inputs, _measure_call, _recording_blocks
@@ -157,6 +157,10 @@ def test_under_fsdp_retain_and_reweight_run_per_block_and_hold_no_gathered_weigh
     for name in ("retain", "reweight"):
         assert components[name]["weights"] == components["native"]["weights"] == whole // 2 // 8
     assert components["reweight"]["gradient buffers"] == 4 * whole // 2  # per-sample gradients are whole
+    # Exchanging shards would hold the same bytes per rank and move 7/8 of them: the plan prices both, keeps whole
+    layouts = dict(cost.limits)["Reweight's per-sample gradients (FSDP2)"]
+    held = format_bytes(components["reweight"]["gradient buffers"])
+    assert layouts.count(held) == 2 and format_bytes(4 * whole // 2 * 7 // 8) in layouts and layouts.endswith("kept whole")
     assert cost["auto"].runs == "retain" and cost["auto"].note.endswith("(per block)")
     # Where not even one step fits whole (and nothing can be offloaded), a step keeps each block's partition at a
     # partial budget, per block

@@ -290,6 +290,8 @@ def plan(s: Scenario, device: Device, budget: int | None = None, *,
     reweight = next((e for e in estimates if e.schedule == Schedule.REWEIGHT and e.available), None)
     if reweight is not None:
         limits += _reweight_limit(s, reweight, budget)
+        if model.per_block and reweight_per_block(cfg):
+            limits += _reweight_layouts(s, reweight)
     return CostPlan(device.name, budget, (native, *estimates, auto), limits)
 
 
@@ -473,6 +475,18 @@ def reweight_sample_limit(s: Scenario, reweight: Estimate, budget: int) -> tuple
     per_sample = (components["gradient buffers"] + components["kept outputs"]) / s.num_samples
     fixed = reweight.peak_bytes - per_sample * s.num_samples
     return max(0, int(math.floor((budget - fixed) / per_sample))), int(per_sample)
+
+
+def _reweight_layouts(s: Scenario, reweight: Estimate) -> tuple[tuple[str, str], ...]:
+    """Under FSDP2, the two ways to hold Reweight's per-sample gradients, priced: whole and unreduced on the rank
+    whose sample it is, or exchanged so that each rank holds its shard of every rank's samples' gradients. Both
+    hold the same bytes per rank (1/W of W times the samples); the exchange adds an all-to-all of each buffer."""
+    held = dict(reweight.components)["gradient buffers"]
+    moved = held * (s.world_size - 1) // s.world_size
+    return (("Reweight's per-sample gradients (FSDP2)",
+             f"kept whole on their sample's rank: {format_bytes(held)} per rank; exchanged as shards: the same "
+             f"{format_bytes(held)} per rank plus an all-to-all of {format_bytes(moved)} per rank and step; "
+             "kept whole"),)
 
 
 def _reweight_limit(s: Scenario, reweight: Estimate, budget: int) -> tuple[tuple[str, str], ...]:
