@@ -43,17 +43,19 @@ class StepAction:
     step: int
     kind: Action
     reason: str = ""
-    fraction: float = 1.0  # of the activations a partial retention keeps
+    # Of what the schedule keeps: the activations a partial retention keeps (its activation memory budget); the
+    # blocks' parameters whose per-sample gradients a partial Reweight keeps (the last blocks; the first recompute)
+    fraction: float = 1.0
 
     def __post_init__(self):
         object.__setattr__(self, "kind", Action(self.kind))
-        if not 0 <= self.fraction <= 1 or (self.fraction < 1 and self.kind is not Action.RETAIN):
-            raise ValueError(f"fraction must be in [0, 1], and below 1 only for retain; got {self.kind} "
+        if not 0 <= self.fraction <= 1 or (self.fraction < 1 and self.kind not in (Action.RETAIN, Action.REWEIGHT)):
+            raise ValueError(f"fraction must be in [0, 1], and below 1 only for retain and reweight; got {self.kind} "
                              f"at {self.fraction!r}")
 
     @property
     def label(self) -> str:
-        """``"retain"``, ``"retain@0.40"`` for a partial retention, ``"no-grad"``, ..."""
+        """``"retain"``, ``"retain@0.40"`` for a partial retention (``"reweight@0.40"``), ``"no-grad"``, ..."""
         return f"{self.kind}@{self.fraction:.2f}" if self.fraction < 1 else str(self.kind)
 
     @property

@@ -173,7 +173,7 @@ def _build_reweight(a: Analyses, planned: tuple[StepAction, ...]) -> Built:
     # Traced on first access: a second trace of the backbone, forward and backward, that only inspection reads.
     graphs = Graphs(rollout=functools.partial(passes.capture_provisional, a.trainer), update=a.programs.update,
                     rollout_traced=a.programs.rollout)
-    steps = plan_steps(a.trainer.config, StepAction(0, Action.REWEIGHT))
+    steps = plan_steps(a.trainer.config, StepAction(0, Action.REWEIGHT), planned)
     kept = Reweight(bool(a.linearity.advantage_free))
     per_block, fsdp = a.request.per_block, a.trainer.sync.kind == "fsdp" and a.trainer.sync.world_size > 1
     if per_block is None:  # under FSDP2 per block where every rank keeps the same steps (see reweight_per_block)
@@ -184,6 +184,9 @@ def _build_reweight(a: Analyses, planned: tuple[StepAction, ...]) -> Built:
                          "heads that follow each kept rollout step would pass through FSDP2's per-block collectives "
                          "on some ranks only (a deadlock); use trained_steps='first', or per_block=None (Reweight "
                          "on the gathered weights)")
+    if not per_block and any(s.fraction < 1 for s in steps if s.keeps):
+        raise ValueError("the plan keeps Reweight's per-sample gradients for part of the blocks, which runs per "
+                         "block only; use per_block=None or True")
     return Built(steps, graphs, _engine(a.trainer, kept, steps, a.request, a.history, per_block),
                  EXACTNESS[Schedule.REWEIGHT],
                  buffers=("one provisional gradient per kept row and trained step (per basis cotangent: the policy "
@@ -285,6 +288,10 @@ _HOW = {Action.RETAIN: "the rollout keeps its activations for the update's calls
                          "combination their cotangents call for",
         Action.OFFLOAD: "the rollout keeps its activations in host memory for the update's calls",
         Action.RECOMPUTE: "retaining it does not fit the memory budget: the update recomputes it"}
+_PARTIAL = {Action.RETAIN: "the rollout keeps a fraction {:.2f} of its activations, the backward recomputes the rest",
+            Action.REWEIGHT: ("the rollout backpropagates the last blocks, {:.0%} of the blocks' parameters, at "
+                              "provisional advantages; the update recomputes the first blocks and adds the "
+                              "combination its cotangents call for of the others")}
 _TRAINED = {"first": "trained by every sample", "random": "trained by the samples that draw it",
             "window": "trained when inside the SDE window"}
 
@@ -299,8 +306,7 @@ def plan_steps(config, default: StepAction, planned: tuple[StepAction, ...] = ()
             continue
         this = planned[position] if position < len(planned) else default
         position += 1
-        reason = (f"the rollout keeps a fraction {this.fraction:.2f} of its activations, the backward recomputes the "
-                  "rest") if this.fraction < 1 else _HOW[this.kind]
+        reason = _PARTIAL[this.kind].format(this.fraction) if this.fraction < 1 else _HOW[this.kind]
         if this.kind is not Action.RECOMPUTE:
             reason += ", served to each call verified to recompute it"
         steps.append(StepAction(i, this.kind, f"{_TRAINED[config.trained_steps]}: {reason}", this.fraction))

@@ -147,3 +147,28 @@ def test_a_step_retained_at_a_fraction_runs_each_block_at_that_budget():
     assert stats["partial"]["recomputed_calls"] == stats["whole"]["recomputed_calls"]
     assert 0 < stats["partial"]["retained_bytes"] < stats["whole"]["retained_bytes"]
     assert all(set(engine.rowwise) == {0.25, 1.0} for engine in partial._engine.engines)
+
+@pytest.mark.parametrize("lora_rank", [None, 4])
+def test_reweight_of_the_last_blocks_recomputes_the_first_and_equals_native(lora_rank):
+    """``reweight@0.5`` (what the planner chooses under FSDP2 where every block's per-sample gradients do not fit):
+    the last blocks, half of the blocks' parameters, keep per-sample gradients; the heads run the first blocks
+    without grad, and the update recomputes them natively under the served blocks' input gradients. With a KL
+    term (two heads) and, under full fine-tuning, the embeddings training too."""
+    config = FlowGRPOConfig(num_steps=3, group_size=2, train_batch_size=2, beta=0.05, lora_rank=lora_rank,
+                            dtype="float64")
+    native = _build("sd3", config)
+    whole, part = (optimize(_build("sd3", config), schedule="reweight", per_block=True) for _ in range(2))
+    part.plan = dataclasses.replace(part.plan, steps=tuple(
+        dataclasses.replace(a, fraction=0.5) if a.keeps else a for a in part.plan.steps))
+    start = _flat(native)
+    native.step([1, 2])
+    stats = {name: trainer.step([1, 2]) for name, trainer in (("whole", whole), ("part", part))}
+    for trainer in (whole, part):
+        assert _relative(_flat(trainer) - start, _flat(native) - start) <= 1e-10
+    engines, kept = len(part._engine.engines), part._engine.last_blocks(0.5)
+    assert 0 < len(kept) < engines and kept[-1] == engines - 1
+    # the first blocks' update calls recompute (nothing kept), the last ones' are served as under whole Reweight
+    fewer = stats["whole"]["served_calls"] - stats["part"]["served_calls"]
+    assert fewer > 0 and stats["part"]["recompute_reasons"]["nothing kept"] == \
+        stats["whole"]["recompute_reasons"].get("nothing kept", 0) + fewer
+    assert 0 < stats["part"]["buffer_bytes"] < stats["whole"]["buffer_bytes"]

@@ -289,9 +289,10 @@ def plan(s: Scenario, device: Device, budget: int | None = None, *,
     limits = _limits(s, g, sum(retain_static.values()), budget, model.per_block)
     reweight = next((e for e in estimates if e.schedule == Schedule.REWEIGHT and e.available), None)
     if reweight is not None:
-        limits += _reweight_limit(s, reweight, budget)
+        whole = _reweight_at(model, 1.0) if reweight.steps and reweight.steps[0].fraction < 1 else reweight
+        limits += _reweight_limit(s, whole, budget)  # the boundary of Reweight of every parameter
         if model.per_block and reweight_per_block(cfg):
-            limits += _reweight_layouts(s, reweight)
+            limits += _reweight_layouts(s, whole, reweight)
     return CostPlan(device.name, budget, (native, *estimates, auto), limits)
 
 
@@ -331,9 +332,28 @@ def reweight_per_block(config) -> bool:
     return config.trained_steps == "first"
 
 
-def estimate_reweight(m: StepModel) -> Estimate:
+def estimate_reweight(m: StepModel, partial: bool = True) -> Estimate:
     """Gradient buffers instead of activations: the update's forward and backward move into the rollout, the
-    backward once per provisional cotangent."""
+    backward once per provisional cotangent. Per block, where every block's buffers do not fit (and ``partial``),
+    Reweight of the last blocks that fit (``reweight@f``, f the share of the blocks' parameters); the others
+    recompute in the update."""
+    whole = _reweight_at(m, 1.0)
+    if not (partial and not whole.fits and m.per_block and reweight_per_block(m.scenario.config)):
+        return whole
+    empty = _reweight_at(m, 0.0)  # peak(f) is linear in f
+    room = (m.budget - empty.peak_bytes) / max(whole.peak_bytes - empty.peak_bytes, 1)
+    fraction = math.floor(min(room, 1.0) * 100) / 100
+    while fraction >= _SMALLEST_PARTIAL:  # the kept call's activations make it linear only nearly
+        estimate = _reweight_at(m, fraction)
+        if estimate.fits:
+            return estimate
+        fraction = round(fraction - 0.01, 2)
+    return whole
+
+
+def _reweight_at(m: StepModel, fraction: float) -> Estimate:
+    """Reweight whose per-sample gradients cover ``fraction`` of the parameters (per block: the last blocks'; the
+    first recompute in the update, and the heads run their forward again, without grad)."""
     s, g, cfg = m.scenario, m.geometry, m.scenario.config
     backwards = 1 + s.advantage_free  # one per-row backward per provisional cotangent
     buffer = s.trainable_params * s.trainable_bytes  # per-sample gradients are whole, also under FSDP2
@@ -342,31 +362,39 @@ def estimate_reweight(m: StepModel) -> Estimate:
     segments = 2 if cfg.use_cfg else 1
     kept = 2 * trained * (segments + (cfg.beta > 0)) * s.latent_bytes
     # Per window call: the update's forward and backward move into the rollout, the backward `backwards` times;
-    # each (sample, step) adds its gradient into a buffer (read, add, write) and the correction reads them all.
-    per_step = g.window_calls * (m.update_forward * (1 + cfg.gradient_checkpointing)
-                                 + m.update_backward * (1 - backwards))
-    traffic = (3 * trained + 2 * count) * buffer / m.device.bandwidth
+    # each (sample, step) adds its gradient into a buffer (read, add, write) and the correction reads them all. Of
+    # a partial Reweight's recomputed blocks the heads run the forward once more.
+    per_step = g.window_calls * (fraction * (m.update_forward * (1 + cfg.gradient_checkpointing)
+                                             + m.update_backward * (1 - backwards))
+                                 - (1 - fraction) * m.update_forward)
+    traffic = fraction * (3 * trained + 2 * count) * buffer / m.device.bandwidth
     # A KL term's reference forward moves into the rollout's first loss head; the others read its kept velocity.
     flops = m.native.flops - g.eligible * g.window_calls * g.update_rows * (
-        s.profile.forward.total_flops * (1 + cfg.gradient_checkpointing)
-        + s.profile.backward.total_flops * (1 - backwards))
+        fraction * (s.profile.forward.total_flops * (1 + cfg.gradient_checkpointing)
+                    + s.profile.backward.total_flops * (1 - backwards))
+        - (1 - fraction) * s.profile.forward.total_flops)
     # each buffer's row keeps the cotangent it was made from (one output row), to find its coefficients
-    held = {"gradient buffers": count * buffer, "provisional cotangents": count * s.latent_bytes, "kept outputs": kept}
+    held = {"gradient buffers": int(fraction * count * buffer), "provisional cotangents": count * s.latent_bytes,
+            "kept outputs": kept}
     per_block = m.per_block and reweight_per_block(cfg)
     if per_block:  # (runtime.regional): no whole weights; each buffer's row also keeps, at every block, its
         # inputs' gradients (the size of the blocks' inputs, what checkpointing keeps)
         per_row = sympy.Rational(s.profile.checkpoint_bytes, s.profile.tokens) * TOKENS
-        held["block input gradients"] = int((count * per_row).subs(m.values))
+        held["block input gradients"] = int((fraction * count * per_row).subs(m.values))
     # The kept call's activations live until its provisional backward has made its step's buffers: the peak holds
     # the other steps' buffers and the larger of the two.
-    activations = int((g.rollout_rows * activations_per_row(s, per_block)).subs(m.values))
+    activations = int((fraction * g.rollout_rows * activations_per_row(s, per_block)).subs(m.values))
     step_buffers = sum(v for k, v in held.items() if k != "kept outputs") / g.eligible
     held["activations (kept call)"] = max(0, int(activations - step_buffers))
+    if fraction < 1:  # the recomputed blocks' call in flight in the update
+        held["activations (one call)"] = int((1 - fraction) * m.transient)
+    where = (" (per block: each rank's own samples', whole and unreduced)" if per_block
+             else " (on the gathered weights: ranks keep steps of their own)" if m.per_block else "")
+    share = f" for the last {fraction:.0%} of the blocks' parameters, the first blocks recomputing" if fraction < 1 else ""
     return m.estimate(str(Schedule.REWEIGHT), m.static if per_block else m.gathered, held,
-                      m.native.seconds - g.eligible * per_step + traffic, flops, all_steps(Action.REWEIGHT, g.eligible),
-                      note=f"{count} gradient buffers of {format_bytes(buffer)}"
-                           + (" (per block: each rank's own samples', whole and unreduced)" if per_block
-                              else " (on the gathered weights: ranks keep steps of their own)" if m.per_block else ""))
+                      m.native.seconds - g.eligible * per_step + traffic, flops,
+                      tuple(StepAction(i, Action.REWEIGHT, fraction=fraction) for i in range(g.eligible)),
+                      note=f"{count} gradient buffers of {format_bytes(fraction * buffer)}{share}{where}")
 
 
 def _auto(m: StepModel, others: list[Estimate], per_block: bool = False) -> Estimate:
@@ -477,16 +505,22 @@ def reweight_sample_limit(s: Scenario, reweight: Estimate, budget: int) -> tuple
     return max(0, int(math.floor((budget - fixed) / per_sample))), int(per_sample)
 
 
-def _reweight_layouts(s: Scenario, reweight: Estimate) -> tuple[tuple[str, str], ...]:
-    """Under FSDP2, the two ways to hold Reweight's per-sample gradients, priced: whole and unreduced on the rank
-    whose sample it is, or exchanged so that each rank holds its shard of every rank's samples' gradients. Both
-    hold the same bytes per rank (1/W of W times the samples); the exchange adds an all-to-all of each buffer."""
-    held = dict(reweight.components)["gradient buffers"]
+def _reweight_layouts(s: Scenario, whole: Estimate, chosen: Estimate) -> tuple[tuple[str, str], ...]:
+    """Under FSDP2, the ways to hold Reweight's per-sample gradients, priced: whole and unreduced on the rank whose
+    sample it is; exchanged, so that each rank holds its shard of every rank's samples' gradients (the same bytes
+    per rank, 1/W of W times the samples, plus an all-to-all of each buffer); or, where they do not fit, only those
+    of the last blocks that fit (``reweight@f``, the first blocks recomputing)."""
+    held = dict(whole.components)["gradient buffers"]
     moved = held * (s.world_size - 1) // s.world_size
+    fraction = chosen.steps[0].fraction if chosen.steps else 1.0
+    part = dict(chosen.components)["gradient buffers"]
+    fitting = (f"the last {fraction:.0%} of the blocks' parameters fit: {format_bytes(part)}" if fraction < 1
+               else "all fit" if whole.fits else "no share of at least 5% fits")
+    keeps = f"kept whole for the last {fraction:.0%}" if fraction < 1 else "kept whole"
     return (("Reweight's per-sample gradients (FSDP2)",
              f"kept whole on their sample's rank: {format_bytes(held)} per rank; exchanged as shards: the same "
              f"{format_bytes(held)} per rank plus an all-to-all of {format_bytes(moved)} per rank and step; "
-             "kept whole"),)
+             f"{fitting}; {keeps}"),)
 
 
 def _reweight_limit(s: Scenario, reweight: Estimate, budget: int) -> tuple[tuple[str, str], ...]:

@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
@@ -88,6 +89,7 @@ class RegionalEngine:
         self._heads: Heads | None = None
         self._outputs: dict[tuple, object] = {}
         self._values: dict[tuple, list[KeptCall]] = {}  # Reweight: values kept during the heads (see _values_of)
+        self._idle: frozenset[int] = frozenset()  # blocks the heads run without grad (see provisional)
         self._sharded = any(isinstance(block, FSDPModule) for block in self.blocks)  # by FSDP2
         self._share_log()
         self.schedule = self.engines[0].schedule
@@ -248,6 +250,9 @@ class RegionalEngine:
         if not pending:
             return
         token = torch.zeros((), dtype=pending[0].output.dtype, device=pending[0].output.device, requires_grad=True)
+        # The blocks before the first that backpropagates (Reweight of the last blocks only) need no cotangent: the
+        # heads run them without grad
+        self._idle = frozenset(range(next(i for i, recorder in enumerate(recorders) if recorder.pending)))
         self.answering_with_leaves_now, self._heads = True, heads_
         try:
             with torch.enable_grad():
@@ -272,7 +277,7 @@ class RegionalEngine:
                                 "rank (the same memory_limit and trained steps) or use schedule='retain'")
                         torch.autograd.grad(outputs, token, cotangents, retain_graph=True, allow_unused=True)
         finally:
-            self.answering_with_leaves_now, self._heads, self._outputs = False, None, {}
+            self.answering_with_leaves_now, self._heads, self._outputs, self._idle = False, None, {}, frozenset()
         for recorder in recorders:
             recorder.settle()
 
@@ -295,8 +300,9 @@ class RegionalEngine:
 
     @contextlib.contextmanager
     def _routed(self):
-        for block, route in zip(self.blocks, self._routes):
-            block.forward = route
+        for i, (block, route) in enumerate(zip(self.blocks, self._routes)):
+            # an idle block is not the engine's: nothing of it is kept or looked up
+            block.forward = torch.no_grad()(self.engines[i].native) if i in self._idle else route
         try:
             yield
         finally:
@@ -305,18 +311,38 @@ class RegionalEngine:
 
     @contextlib.contextmanager
     def keeping(self, action):
-        """The blocks keep their calls made inside under ``action``, each at the action's activation memory budget
-        (``retain@f``: every block's partition at budget f, recomputing the rest of its forward in the backward);
-        yields the kept block calls."""
+        """The blocks keep their calls made inside under ``action``; yields the kept block calls, per block.
+        ``retain@f``: every block's partition at activation memory budget f, recomputing the rest of its forward in
+        its backward. ``reweight@f``: the last blocks, holding the fraction f of the blocks' trainable parameters,
+        keep their calls for per-sample gradients; the first run natively, and recompute in the update."""
+        fraction = getattr(action, "fraction", 1.0)
+        kept = range(len(self.engines))
+        if isinstance(self.schedule, Reweight) and fraction < 1:
+            kept, action = self.last_blocks(fraction), replace(action, fraction=1.0)
         made = []
         with contextlib.ExitStack() as stack:
-            for engine in self.engines:
-                made.append(stack.enter_context(engine.keeping(action)))
+            for i, engine in enumerate(self.engines):
+                if i in kept:
+                    made.append(stack.enter_context(engine.keeping(action)))
+                else:
+                    stack.enter_context(engine.passing())
+                    made.append([])
             self._keeping = True
             try:
                 yield made
             finally:
                 self._keeping = False
+
+    def last_blocks(self, fraction: float) -> range:
+        """The last blocks holding at most ``fraction`` of the blocks' trainable parameters (at least one):
+        Reweight keeps those nearest the output, so that the heads' backward stops at the first of them and their
+        forward runs the blocks before it without grad."""
+        sizes = [sum(p.numel() for p in block.parameters() if p.requires_grad) for block in self.blocks]
+        budget, first, held = fraction * sum(sizes), len(sizes) - 1, sizes[-1]
+        while first > 0 and held + sizes[first - 1] <= budget:
+            first -= 1
+            held += sizes[first]
+        return range(first, len(sizes))
 
     @contextlib.contextmanager
     def passing(self):
