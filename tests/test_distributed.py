@@ -41,6 +41,7 @@ class Case:
     prompts_per_rank: int = 2
     same_prompt: bool = False
     memory_budget: float | None = None
+    reweighted: float = 1.0  # the share of the blocks' parameters Reweight keeps per-sample gradients of
 
     def prompts(self, rank: int) -> list[int]:
         if self.same_prompt:  # every rank samples the same prompts
@@ -54,7 +55,8 @@ class Case:
 CASES = [Case(f"{parallel}-{schedule}", FLOW, parallel, schedule)
          for parallel in ("ddp", "fsdp") for schedule in ("native", "retain", "reweight")]
 CASES += [Case(f"dance-ddp-{schedule}", DANCE, "ddp", schedule, prompts_per_rank=1) for schedule in ("native", "auto")]
-CASES += [Case("fsdp-auto", FLOW, "fsdp", "auto"), Case("fsdp-retain@0.25", FLOW, "fsdp", "retain", memory_budget=0.25)]
+CASES += [Case("fsdp-auto", FLOW, "fsdp", "auto"), Case("fsdp-retain@0.25", FLOW, "fsdp", "retain", memory_budget=0.25),
+          Case("fsdp-reweight@0.5", FLOW, "fsdp", "reweight", reweighted=0.5)]
 CASES += [Case(f"same-ddp-{schedule}", HALF, "ddp", schedule, same_prompt=True) for schedule in ("native", "reweight")]
 CASES += [Case(f"two-steps-{parallel}-{schedule}", HALF, parallel, schedule)
           for parallel in ("ddp", "fsdp") for schedule in ("native", "retain")]
@@ -74,6 +76,9 @@ def _worker(rank, port, cases, out):
         before = trainer.sync.gathers
         if case.schedule != "native":
             trainer = optimize(trainer, schedule=case.schedule, memory_budget=case.memory_budget)
+            if case.reweighted < 1:  # as the planner's reweight@f
+                trainer.plan = dataclasses.replace(trainer.plan, steps=tuple(
+                    dataclasses.replace(a, fraction=case.reweighted) if a.keeps else a for a in trainer.plan.steps))
         compile_gathers = trainer.sync.gathers - before
         grads = []
         trainer.optimizer.register_step_pre_hook(
@@ -208,6 +213,11 @@ def test_fsdp_runs_per_block_under_fsdp2s_own_gathers(ranks):
         assert partial["per_block"] and partial["stats"]["weight_gathers"] == native["weight_gathers"]
         assert partial["stats"]["served_calls"] == retain["served_calls"] and partial["stats"]["recomputed_calls"] == 0
         assert 0 < partial["stats"]["retained_bytes"] < retain["retained_bytes"]
+        # Reweight of the last block: the first recomputes in the update, natively under FSDP2's hooks
+        last = rank["fsdp-reweight@0.5"]["stats"]
+        assert 0 < last["served_calls"] < reweight["served_calls"] and last["recomputed_calls"] > 0
+        assert 0 < last["buffer_bytes"] < reweight["buffer_bytes"]
+        assert native["weight_gathers"] < last["weight_gathers"] <= reweight["weight_gathers"]
         # optimize() traces and analyses on fake whole weights: per block, nothing is gathered before the step.
         assert rank["fsdp-retain"]["compile_gathers"] == rank["fsdp-reweight"]["compile_gathers"] == 0
 
