@@ -193,7 +193,9 @@ def _build_reweight(a: Analyses, planned: tuple[StepAction, ...]) -> Built:
                           "term, and the advantage-free terms where the loss has them), each used by at most one "
                           "call with grad" + (" (per block: of each block's weights as FSDP2 gathers them, "
                                               "unreduced)" if per_block else "")),
-                 runs=PER_BLOCK if per_block else "")
+                 runs=(PER_BLOCK + (", the per-sample gradients of the last blocks only (reweight@f), the first "
+                                    "recomputing in the update" if any(s.fraction < 1 for s in steps) else ""))
+                 if per_block else "")
 
 
 SCHEDULES: dict[Schedule, ScheduleSpec] = {spec.schedule: spec for spec in (
@@ -261,7 +263,8 @@ def _engine(trainer, schedule: ScheduleRuntime, steps, request: Request, history
     """The engine for ``trainer``'s backbone: one per-row backbone per activation budget the plan uses, or with
     ``per_block`` one engine per transformer block (FSDP2's own gathers kept, see runtime.regional), each with one
     per-row block per budget."""
-    fractions = {s.fraction for s in steps if s.keeps} | {1.0}
+    # activation budgets (a partial Reweight's fraction is of the blocks it keeps, each whole)
+    fractions = {s.fraction for s in steps if s.keeps and s.kind is not Action.REWEIGHT} | {1.0}
     if per_block:
         backbone = trainer.backbone
         if trainer.sync.kind == "fsdp":

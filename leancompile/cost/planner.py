@@ -332,13 +332,13 @@ def reweight_per_block(config) -> bool:
     return config.trained_steps == "first"
 
 
-def estimate_reweight(m: StepModel, partial: bool = True) -> Estimate:
+def estimate_reweight(m: StepModel) -> Estimate:
     """Gradient buffers instead of activations: the update's forward and backward move into the rollout, the
-    backward once per provisional cotangent. Per block, where every block's buffers do not fit (and ``partial``),
-    Reweight of the last blocks that fit (``reweight@f``, f the share of the blocks' parameters); the others
-    recompute in the update."""
+    backward once per provisional cotangent. Per block, where every block's buffers do not fit, Reweight of the
+    last blocks that fit (``reweight@f``, f the share of the blocks' parameters); the others recompute in the
+    update."""
     whole = _reweight_at(m, 1.0)
-    if not (partial and not whole.fits and m.per_block and reweight_per_block(m.scenario.config)):
+    if whole.fits or not (m.per_block and reweight_per_block(m.scenario.config)):
         return whole
     empty = _reweight_at(m, 0.0)  # peak(f) is linear in f
     room = (m.budget - empty.peak_bytes) / max(whole.peak_bytes - empty.peak_bytes, 1)
@@ -390,7 +390,8 @@ def _reweight_at(m: StepModel, fraction: float) -> Estimate:
         held["activations (one call)"] = int((1 - fraction) * m.transient)
     where = (" (per block: each rank's own samples', whole and unreduced)" if per_block
              else " (on the gathered weights: ranks keep steps of their own)" if m.per_block else "")
-    share = f" for the last {fraction:.0%} of the blocks' parameters, the first blocks recomputing" if fraction < 1 else ""
+    share = (f" for the last {fraction:.0%} of the blocks' parameters, the first blocks recomputing"
+             if fraction < 1 else "")
     return m.estimate(str(Schedule.REWEIGHT), m.static if per_block else m.gathered, held,
                       m.native.seconds - g.eligible * per_step + traffic, flops,
                       tuple(StepAction(i, Action.REWEIGHT, fraction=fraction) for i in range(g.eligible)),

@@ -397,9 +397,9 @@ def transformer_blocks(module: torch.nn.Module) -> list[torch.nn.Module]:
 
 def structure(module: torch.nn.Module) -> tuple:
     """What decides a module's compiled program besides its call: every submodule's class and settings (scalar
-    attributes and dicts of scalars by value, other objects such as attention processors by class) and every parameter's and buffer's
-    name, shape and dtype (and whether it requires grad). Blocks with equal structures run one program, each on
-    its own weights."""
+    attributes and dicts of scalars by value, other objects such as attention processors by class) and every
+    parameter's and buffer's name, shape and dtype (and whether it requires grad). Blocks with equal structures
+    run one program, each on its own weights."""
     parts = []
     for name, module_ in module.named_modules():
         settings = []
