@@ -51,7 +51,7 @@ def _run_both(family, config, schedule):
 
 
 @given(case=bitwise_cases())
-@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 def test_bitwise_retain_is_native_to_the_bit_in_float32_and_reuses(case):
     family, config, schedule = case
     optimized, stats = _run_both(family, config, schedule)

@@ -39,7 +39,7 @@ def _relative(a, b) -> float:
 
 
 @given(family=st.sampled_from(["flux", "sd3", "wan"]), config=grpo_configs())
-@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 def test_per_block_retain_equals_native_in_float64(family, config):
     native = _build(family, config)
     fast = optimize(_build(family, config), schedule="retain", per_block=True)

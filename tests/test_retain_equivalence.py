@@ -93,7 +93,7 @@ def _run_both(family, config, prompts=(1, 2), per_block=None, schedule="retain",
 
 
 @given(case=configurations())
-@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=7, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 def test_retain_equals_native_in_float64(case):
     family, config = case
     native, retain, n_stats, r_stats, d_native, d_retain = _run_both(family, config)
