@@ -38,7 +38,7 @@ from torch.utils import _pytree as pytree
 from ..backbones.plain import plain_copy
 from ..passes.pipeline import PassHistory
 from .calls import Call, output_layout
-from .engine import CallRecord, KeptCall, Match, ReuseEngine, ScheduleRuntime, StepLog
+from .engine import KeptCall, Match, ReuseEngine, ScheduleRuntime, StepLog
 from .identity import StateReader, row_keys
 from .reweight import Reweight
 from .reweight_blocks import BlockProvisional, Coefficients, Heads
@@ -88,7 +88,9 @@ class RegionalEngine:
         # its rows and constants (a second head's call is the first's: the blocks' weights are not gathered again)
         self._heads: Heads | None = None
         self._outputs: dict[tuple, object] = {}
-        self._values: dict[tuple, list[KeptCall]] = {}  # Reweight: values kept during the heads (see _values_of)
+        # Reweight: a call without grad that matches no kept call (a KL reference with the adapters off) runs once
+        # during the heads and its values are kept; the other heads' and the update's equal calls are served them
+        self._values = ReuseEngine(backbone, self.engines[0].schedule, {}, shared=call_shared, native=self._natively)
         self._idle: frozenset[int] = frozenset()  # blocks the heads run without grad (see provisional)
         self._sharded = any(isinstance(block, FSDPModule) for block in self.blocks)  # by FSDP2
         self._share_log()
@@ -115,8 +117,9 @@ class RegionalEngine:
             # Under FSDP2 only within the heads: a call served its values runs none of FSDP2's gathers, and
             # whether an update's call matches may differ between ranks
             if (self._current[0] is None and call.refusal is None and not torch.is_grad_enabled()
-                    and (self._heads is not None or (self._values and not self._sharded))):
-                return self._values_of(call)
+                    and (self._heads is not None or (self._values.kept and not self._sharded))):
+                self._current = _IDLE
+                return self._values(*args, **kwargs)
         for engine in self.engines:
             engine.context = coefficients
         try:
@@ -138,25 +141,10 @@ class RegionalEngine:
             return self._outputs[memo][0]
         return layout.unpack(output)
 
-    def _values_of(self, call: Call):
-        """Reweight: a call without grad that matches no kept call (a KL reference with the adapters off) during
-        the heads runs once and its values are kept; the other heads' and the update's equal calls (inputs bitwise,
-        the same state) are served them."""
-        self._current = _IDLE
-        state, keys = self.reader.read(call), tuple(row_keys(call.row_inputs))
-        for kept in self._values.get(keys, ()):
-            if (kept.state.difference(state) is None
-                    and all(torch.equal(a, b) for a, b in zip(call.row_inputs, kept.inputs))
-                    and all(torch.equal(a, b) for a, b in zip(call.whole_inputs, kept.whole))):
-                self.log.records.append(CallRecord("served values", call.batch, "kept values"))
-                return pytree.tree_map(lambda t: t.clone() if torch.is_tensor(t) else t, kept.output)
-        with self._routed():  # the blocks see no verified call: they run natively
-            output = self.backbone(*call.args, **call.kwargs)
-        if self._heads is not None:
-            self._values.setdefault(keys, []).append(KeptCall(
-                state, tuple(t.detach() for t in call.row_inputs), tuple(t.detach() for t in call.whole_inputs),
-                pytree.tree_map(lambda t: t.detach().clone() if torch.is_tensor(t) else t, output), None))
-        return output
+    def _natively(self, *args, **kwargs):
+        """The backbone's call with every block run natively (they see no verified call)."""
+        with self._routed():
+            return self.backbone(*args, **kwargs)
 
     def _identity(self, call: Call) -> tuple[tuple[torch.Tensor, ...] | None, str, str]:
         """A block call's identity: the rows of the backbone call it runs in, where that call is verified (else
@@ -229,7 +217,8 @@ class RegionalEngine:
 
     def _forget(self) -> None:
         """Drop every kept call: made with other weights, they can never be matched again."""
-        self._calls, self._index, self._values = [], {}, {}
+        self._calls, self._index = [], {}
+        self._values.release()
         self._fingerprint, self._checked = None, True
         for engine in self.engines:
             engine.release()
@@ -255,7 +244,8 @@ class RegionalEngine:
         self._idle = frozenset(range(next(i for i, recorder in enumerate(recorders) if recorder.pending)))
         self.answering_with_leaves_now, self._heads = True, heads_
         try:
-            with torch.enable_grad():
+            # the values engine keeps the heads' calls without grad that match nothing kept (see __init__)
+            with torch.enable_grad(), self._values.answering_with_leaves():
                 losses = []
                 for head in heads:
                     with contextlib.ExitStack() as stack:
@@ -358,7 +348,7 @@ class RegionalEngine:
     def _share_log(self) -> None:
         """One log for every block's engine: their records in call order."""
         self.log = StepLog()
-        for engine in self.engines:
+        for engine in (*self.engines, self._values):
             engine.log = self.log
 
     def take_stats(self) -> dict:
