@@ -70,7 +70,7 @@ def test_profiles_multiply_out_block_kinds_exactly(family, depth):
     with _recording_blocks(fake) as calls, mode:
         fake(*_fake_inputs(fake, 1, mode))
     with mode:
-        at_zero = sum(block_saved_bytes(block, a, kw, 0.0) for block, a, kw in calls)
+        at_zero = sum(block_saved_bytes(block, a, kw, 0.0, fake.spec.block_shared) for block, a, kw in calls)
     assert extrapolated.retained_at(0.0, per_block=True) == at_zero
     assert 0 < at_zero < extrapolated.retained_at(1.0, per_block=True) == whole.per_block
 
@@ -90,6 +90,24 @@ def test_predicted_retained_and_buffer_bytes_are_within_ten_percent_of_measured(
     components = dict(cost["reweight"].components)
     predicted = sum(components[k] for k in ("gradient buffers", "provisional cotangents", "activations (kept call)"))
     assert abs(predicted - stats["buffer_bytes"]) <= 0.1 * stats["buffer_bytes"], (components, stats["buffer_bytes"])
+
+
+@pytest.mark.parametrize("budget", [1.0, 0.25])
+def test_per_block_retained_bytes_at_a_budget_are_within_ten_percent_of_measured(budget):
+    """Retain per block (runtime.regional) at activation budget f keeps what each block's own partition saves at
+    f, as the profile prices it (one block of each kind, here Flux's double and single blocks, multiplied out)."""
+    config = FlowGRPOConfig(num_steps=4, group_size=2, train_batch_size=2, gradient_accumulation_steps=2)
+    trainer = _trainer(config, num_layers=2, num_single_layers=3)
+    scenario = dataclasses.replace(trainer_scenario(trainer, len(PROMPTS) * config.group_size), world_size=2,
+                                   sharding="fsdp")
+    cost = plan(scenario, live_device("cpu"), estimators=estimators())
+    profile = scenario.profile
+    predicted = dict(cost["retain"].components)["retained activations"] * (
+        profile.retained_at(budget, per_block=True) / profile.retained_at(1.0, per_block=True))
+    fast = optimize(_trainer(config, num_layers=2, num_single_layers=3), "retain", per_block=True,
+                    memory_budget=budget)
+    retained = fast.step(PROMPTS)["retained_bytes"]
+    assert abs(predicted - retained) <= 0.1 * retained, (predicted, retained)
 
 
 def _interleaved_times(programs, repetitions):

@@ -98,7 +98,8 @@ def profile_call(backbone, autocast: torch.dtype | None = None, device_type: str
         with cast, _recording_blocks(smallest) as calls, mode:
             smallest(*args)
             kinds = {repr(block): (block, a, kw) for block, a, kw in calls}
-            return sum(counts[kind] * block_saved_bytes(*call, budget) for kind, call in kinds.items())
+            return sum(counts[kind] * block_saved_bytes(*call, budget, fake.spec.block_shared)
+                       for kind, call in kinds.items())
 
     return CallProfile(_tokens(fake), total.retained, total.eager, total.checkpoint, total.per_block, blocks,
                        total.forward, total.backward, measure_budget, measure_block_budget)
@@ -140,7 +141,8 @@ def _measure_call(fake, args, mode) -> _Measured:
         torch.autograd.grad(out, trainable or [args[0]], torch.ones_like(out), allow_unused=True)
     with mode:
         retained = partition_saved_bytes(fake, *args)
-        per_block = sum(_block_saved(block, a, kw, seen) for seen in [{}] for block, a, kw in block_calls)
+        per_block = sum(_block_saved(block, a, kw, seen, fake.spec.block_shared) for seen in [{}]
+                        for block, a, kw in block_calls)
     return _Measured(retained, eager.total, sum(_tensor_bytes(call[1:]) for call in block_calls), per_block,
                      forward, counter.workload())
 
@@ -202,13 +204,13 @@ def _recording_blocks(fake):
             h.remove()
 
 
-def _block_saved(block, args, kwargs, seen: dict) -> int:
+def _block_saved(block, args, kwargs, seen: dict, shared: tuple[str, ...]) -> int:
     """``block_saved_bytes``, partitioned once per block structure and input shapes (blocks of a kind are equal)."""
     shapes = tuple((tuple(t.shape), t.dtype) for t in torch.utils._pytree.tree_flatten((args, kwargs))[0]
                    if isinstance(t, torch.Tensor))
     key = (repr(block), shapes)
     if key not in seen:
-        seen[key] = block_saved_bytes(block, args, kwargs)
+        seen[key] = block_saved_bytes(block, args, kwargs, shared=shared)
     return seen[key]
 
 

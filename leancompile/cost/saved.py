@@ -13,7 +13,6 @@ import torch
 from torch._functorch import config as functorch_config
 from torch._functorch.aot_autograd import aot_function
 from torch._functorch.partitioners import min_cut_rematerialization_partition
-from torch.multiprocessing.reductions import StorageWeakRef
 
 from ..backbones import Conditioning
 from ..backbones.checkpointing import without_checkpointing
@@ -63,10 +62,11 @@ def partition_saved_bytes(backbone, x, sigma, cond: Conditioning, memory_budget:
     return _activation_bytes(graphs["forward"].graph, len(params) + len(buffers), outputs=1)
 
 
-def block_saved_bytes(block, args: tuple, kwargs: dict, memory_budget: float = 1.0) -> int:
+def block_saved_bytes(block, args: tuple, kwargs: dict, memory_budget: float = 1.0, shared: tuple[str, ...] = ()) -> int:
     """Bytes of the activations a transformer block's own min-cut partition saves for one call at activation
-    memory budget ``memory_budget``, weights excluded, its floating inputs requiring grad: what Retain per block
-    (runtime.regional) keeps of it."""
+    memory budget ``memory_budget``, weights excluded, its floating inputs requiring grad except those every row
+    shares (the keyword arguments ``shared``, a family's ``block_shared``: a rotary embedding, whose gradient the
+    runtime does not compute): what Retain per block (runtime.regional) keeps of it."""
     params, buffers, graphs, outputs = dict(block.named_parameters()), dict(block.named_buffers()), {}, []
     leaves, spec = torch.utils._pytree.tree_flatten((args, kwargs))
     tensors = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
@@ -85,7 +85,9 @@ def block_saved_bytes(block, args: tuple, kwargs: dict, memory_budget: float = 1
         graphs["forward"] = gm
         raise _Partitioned
 
-    values = [leaves[i].detach().requires_grad_(leaves[i].is_floating_point()) for i in tensors]
+    fixed = {id(t) for name in shared for t in torch.utils._pytree.tree_leaves(kwargs.get(name))}
+    values = [leaves[i].detach().requires_grad_(leaves[i].is_floating_point() and id(leaves[i]) not in fixed)
+              for i in tensors]
     compiled = aot_function(forward, fw_compiler=keep_forward, partition_fn=min_cut_rematerialization_partition)
     with functorch_config.patch(activation_memory_budget=memory_budget), contextlib.suppress(_Partitioned):
         compiled(params, buffers, *values)
@@ -94,14 +96,16 @@ def block_saved_bytes(block, args: tuple, kwargs: dict, memory_budget: float = 1
 
 def _activation_bytes(graph: torch.fx.Graph, weights: int, outputs: int) -> int:
     """The saved tensors of a partition's forward graph (its results after the ``outputs`` the function returns)
-    that are not the weights or views of them."""
-    placeholders = list(graph.find_nodes(op="placeholder"))[:weights]
-    # A saved transpose of a weight is a view of it, not an activation.
-    resident = {StorageWeakRef(n.meta["val"].untyped_storage()) for n in placeholders}
+    that are activations: they read a data input. What is computed from the weights alone (a weight's transpose,
+    a cast, an adapter's scaling) the runtime recomputes for the backward instead of keeping it per row."""
+    placeholders = list(graph.find_nodes(op="placeholder"))
+    reads = set(placeholders[weights:])
+    for node in graph.nodes:
+        if node.op == "call_function" and any(a in reads for a in node.all_input_nodes):
+            reads.add(node)
     results = graph.find_nodes(op="output")[0].args[0][outputs:]
-    saved = [n.meta.get("val") for n in results if isinstance(n, torch.fx.Node)]
-    return sum(v.numel() * v.element_size() for v in saved
-               if isinstance(v, torch.Tensor) and StorageWeakRef(v.untyped_storage()) not in resident)
+    saved = [n.meta.get("val") for n in results if isinstance(n, torch.fx.Node) and n in reads]
+    return sum(v.numel() * v.element_size() for v in saved if isinstance(v, torch.Tensor))
 
 
 class _Partitioned(Exception):
