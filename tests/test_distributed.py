@@ -197,15 +197,16 @@ def test_fsdp_runs_per_block_under_fsdp2s_own_gathers(ranks):
     """Retain and Reweight under FSDP2 keep the per-block sharding (no gather of the whole model) and reduce-scatter
     per block as native does. Retain all-gathers each block's weights exactly when native's does and serves every
     block call of the micro-steps before the optimizer step. Reweight's loss heads run the module's forward again
-    (FSDP2 gathers each block, whose kept output is answered) and its backward (the per-row backward needs the
-    weights): more gathers than native's (40 against 20 here)."""
+    (gathering no block whose kept output is answered) and its backward (the per-row backward needs the weights):
+    more gathers than native's (36 against 20 here)."""
     for rank in ranks:
         native, retain, reweight = (rank[f"fsdp-{name}"]["stats"] for name in ("native", "retain", "reweight"))
         assert retain["weight_gathers"] == native["weight_gathers"] > 0
         assert retain["gradient_collectives"] == reweight["gradient_collectives"] == native["gradient_collectives"]
         for stats in (retain, reweight):
             assert stats["served_calls"] > 0 and stats["recomputed_calls"] == 0, stats
-        assert native["weight_gathers"] < reweight["weight_gathers"] <= 3 * native["weight_gathers"]
+        # (twice native's if the heads' forward gathered the blocks it answers too)
+        assert native["weight_gathers"] < reweight["weight_gathers"] < 2 * native["weight_gathers"]
         assert rank["fsdp-retain"]["per_block"] and rank["fsdp-reweight"]["per_block"]
         # Retain at activation budget 0.25: each block's partition keeps less and recomputes the rest in its
         # backward, on the weights FSDP2 gathered for it; every call still served, gathered as native's

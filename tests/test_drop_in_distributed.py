@@ -143,8 +143,8 @@ def test_wrapped_under_fsdp2_runs_per_block_and_trains_as_fsdp2_alone(fsdp_ranks
         # FSDP2's own per-block collectives, no whole-model gather: as many reduce-scatters as native's. Retain
         # gathers no more than native (a served block's backward gathers its weights once; native's checkpointed
         # backward gathers them for its recomputation too). Reweight's heads run the module's forward once more
-        # (FSDP2 gathers each block although its kept output is answered) and its backward where a head's cotangent
-        # is not zero (the per-row backward needs the weights): 580 against native's 408.
+        # (gathering no answered block) and its backward where a head's cotangent is not zero (the per-row backward
+        # needs the weights): 506 against native's 408.
         assert collectives["reduce_scatter"] == native_collectives["reduce_scatter"] > 0
-        bound = native_collectives["all_gather"] * (1 if schedule == "retain" else 3 / 2)
+        bound = native_collectives["all_gather"] * (1 if schedule == "retain" else 5 / 4)
         assert 0 < collectives["all_gather"] <= bound, (collectives, native_collectives)

@@ -92,6 +92,7 @@ class RegionalEngine:
         # during the heads and its values are kept; the other heads' and the update's equal calls are served them
         self._values = ReuseEngine(backbone, self.engines[0].schedule, {}, shared=call_shared, native=self._natively)
         self._idle: frozenset[int] = frozenset()  # blocks the heads run without grad (see provisional)
+        self._answered: list[torch.nn.Module] = []  # blocks the heads answer with kept outputs (see provisional)
         self._sharded = any(isinstance(block, FSDPModule) for block in self.blocks)  # by FSDP2
         self._share_log()
         self.schedule = self.engines[0].schedule
@@ -122,8 +123,12 @@ class RegionalEngine:
                 return self._values(*args, **kwargs)
         for engine in self.engines:
             engine.context = coefficients
+        # A verified call under the heads: its answered blocks' weights are not gathered for a forward that reads
+        # none (their one-row backward gathers them, see BlockProvisional)
+        answered = self._answered if coefficients is not None and self._heads is not None else []
         try:
-            with self._routed(), self.keeping(action) if action is not None else contextlib.nullcontext():
+            with self._routed(), _without_forward_gathers(answered), \
+                    self.keeping(action) if action is not None else contextlib.nullcontext():
                 output = self.backbone(*args, **kwargs)
         finally:
             self._current = _IDLE
@@ -245,6 +250,10 @@ class RegionalEngine:
         self.answering_with_leaves_now, self._heads = True, heads_
         try:
             # the values engine keeps the heads' calls without grad that match nothing kept (see __init__)
+            # FSDP2: a verified call's answered blocks read no weight in the heads' forward (see __call__)
+            self._answered = [block for block, recorder in zip(self.blocks, recorders) if recorder.pending]
+            for recorder in recorders:
+                recorder.gathers = _hooks_of(recorder.engine.backbone) is not None
             with torch.enable_grad(), self._values.answering_with_leaves():
                 losses = []
                 for head in heads:
@@ -268,6 +277,7 @@ class RegionalEngine:
                         torch.autograd.grad(outputs, token, cotangents, retain_graph=True, allow_unused=True)
         finally:
             self.answering_with_leaves_now, self._heads, self._outputs, self._idle = False, None, {}, frozenset()
+            self._answered = []
         for recorder in recorders:
             recorder.settle()
 
@@ -368,6 +378,33 @@ class RegionalEngine:
             stats[name] = sum(s[name] for s in blocks)
         self._share_log()
         return stats
+
+
+def _hooks_of(block: torch.nn.Module) -> tuple | None:
+    """FSDP2's forward hooks' handles on a block sharded by itself (None: none)."""
+    state = block._get_fsdp_state() if isinstance(block, FSDPModule) else None
+    handles = (getattr(state, "_pre_forward_hook_handle", None), getattr(state, "_post_forward_hook_handle", None))
+    return None if None in handles else handles
+
+
+@contextlib.contextmanager
+def _without_forward_gathers(blocks: list[torch.nn.Module]):
+    """FSDP2's forward hooks of ``blocks`` set aside for the duration: their pre-forward would gather the weights
+    and their post-forward register the pre-backward gather, which the blocks' recorders do themselves."""
+    taken = []
+    for block in blocks:
+        handles = _hooks_of(block)
+        if handles is None:
+            continue
+        for hooks, handle in zip((block._forward_pre_hooks, block._forward_hooks), handles):
+            taken.append((hooks, dict(hooks)))
+            del hooks[handle.id]
+    try:
+        yield
+    finally:
+        for hooks, before in taken:
+            hooks.clear()
+            hooks.update(before)
 
 
 def transformer_blocks(module: torch.nn.Module) -> list[torch.nn.Module]:

@@ -9,6 +9,7 @@ and every block's served backward combines its rows' gradients with those coeffi
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 
 import torch
@@ -39,6 +40,7 @@ class BlockProvisional:
                         if kept.rowwise is not None and not isinstance(kept.rows, ProvisionalRows)}
         # id(kept) -> head -> (per-parameter gradients, {input position: gradients}), each (rows, ...)
         self.received: dict[int, dict[int, tuple]] = {}
+        self.gathers = False  # FSDP2: the heads' forward skipped the block's hooks; its backward gathers it here
 
     def answer(self, token: torch.Tensor):
         """What the block engine returns for a call under the heads: the kept output, joined to the module's graph
@@ -53,6 +55,22 @@ class BlockProvisional:
     def backward(self, match: Match, cotangent: torch.Tensor, inputs: tuple[int, ...]) -> list:
         """Run the kept rows' one-row backward on the current head's ``cotangent``, keep what it gives per row, and
         return the gradients of the call's tensors at ``inputs`` (None: the rows were not pending)."""
+        with self._gathered():
+            return self._backward(match, cotangent, inputs)
+
+    @contextlib.contextmanager
+    def _gathered(self):
+        """The block's whole weights for its one-row backward, where FSDP2's own hooks did not gather them."""
+        if not self.gathers:
+            yield
+            return
+        self.engine.backbone.unshard()
+        try:
+            yield
+        finally:
+            self.engine.backbone.reshard()
+
+    def _backward(self, match: Match, cotangent: torch.Tensor, inputs: tuple[int, ...]) -> list:
         head, device, total = self.heads.current, cotangent.device, len(match.places)
         grads_in: dict[int, torch.Tensor] = {}
         for kept, rows, positions in match.by_call():
