@@ -182,7 +182,7 @@ def _flat(trainer):
 
 @given(deviation=st.sampled_from(sorted(DEVIATIONS)), schedule=st.sampled_from(["retain", "reweight", "auto"]),
        seed=st.integers(0, 50), beta=st.sampled_from([0.0, 0.05]))
-@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=14, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 def test_a_deviating_trainer_gets_native_weights(deviation, schedule, seed, beta):
     cls, overrides, reward, served_under = DEVIATIONS[deviation]
     config = FlowGRPOConfig(num_steps=3, timestep_fraction=0.67, group_size=2, train_batch_size=2,
