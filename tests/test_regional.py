@@ -121,8 +121,9 @@ def test_per_block_reweight_equals_native(case, family):
     assert isinstance(fast._engine, RegionalEngine) and fast.plan.schedule == "reweight"
     tolerance = 1e-10 if family == "sd3" else 1e-5
     assert bool(g_native) == bool(g_fast)
-    if g_native:
-        assert _relative(g_fast[0], g_native[0]) <= tolerance
+    if g_native:  # zero where every advantage is (a group of equal rewards) and no KL term: then zero too
+        assert (_relative(g_fast[0], g_native[0]) <= tolerance if g_native[0].norm() > 0
+                else float(g_fast[0].norm()) <= 1e-12)
     if d_native.norm() > 0:
         assert _relative(d_fast, d_native) <= tolerance
 
