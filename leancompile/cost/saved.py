@@ -16,6 +16,7 @@ from torch._functorch.partitioners import min_cut_rematerialization_partition
 
 from ..backbones import Conditioning
 from ..backbones.checkpointing import without_checkpointing
+from ..passes.graph import reading_data
 
 
 @dataclass
@@ -98,11 +99,7 @@ def _activation_bytes(graph: torch.fx.Graph, weights: int, outputs: int) -> int:
     """The saved tensors of a partition's forward graph (its results after the ``outputs`` the function returns)
     that are activations: they read a data input. What is computed from the weights alone (a weight's transpose,
     a cast, an adapter's scaling) the runtime recomputes for the backward instead of keeping it per row."""
-    placeholders = list(graph.find_nodes(op="placeholder"))
-    reads = set(placeholders[weights:])
-    for node in graph.nodes:
-        if node.op == "call_function" and any(a in reads for a in node.all_input_nodes):
-            reads.add(node)
+    reads = reading_data(graph, weights)
     results = graph.find_nodes(op="output")[0].args[0][outputs:]
     saved = [n.meta.get("val") for n in results if isinstance(n, torch.fx.Node) and n in reads]
     return sum(v.numel() * v.element_size() for v in saved if isinstance(v, torch.Tensor))

@@ -27,3 +27,13 @@ def ancestors(node: fx.Node) -> set[fx.Node]:
             seen.add(n)
             stack.extend(n.all_input_nodes)
     return seen
+
+
+def reading_data(graph: fx.Graph, weights: int) -> set[fx.Node]:
+    """The nodes of a partition's forward ``graph`` that read a data input (the placeholders after the first
+    ``weights``): the rest is computed from the weights alone."""
+    reads = set(list(graph.find_nodes(op="placeholder"))[weights:])
+    for node in graph.nodes:
+        if node.op == "call_function" and any(a in reads for a in node.all_input_nodes):
+            reads.add(node)
+    return reads

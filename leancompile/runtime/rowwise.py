@@ -32,6 +32,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from ..backbones.checkpointing import without_checkpointing
 from ..passes import pipeline
+from ..passes.graph import reading_data
 from ..passes.rowwise import random_operators
 from .calls import Call, OutputLayout, output_layout
 
@@ -268,11 +269,7 @@ def _compiling():
 
 def _reads_data(fw: torch.fx.GraphModule, weights: int) -> tuple[bool, ...]:
     """Per saved output of ``fw``: whether it depends on a data input (the placeholders after the weights)."""
-    placeholders = list(fw.graph.find_nodes(op="placeholder"))
-    reads = set(placeholders[weights:])
-    for node in fw.graph.nodes:
-        if node.op == "call_function" and any(a in reads for a in node.all_input_nodes):
-            reads.add(node)
+    reads = reading_data(fw.graph, weights)
     saved = next(iter(fw.graph.find_nodes(op="output"))).args[0][1:]
     return tuple(n in reads for n in saved)
 
