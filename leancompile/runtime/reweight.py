@@ -9,6 +9,12 @@ receives): ``g = sum_k a_k c_k`` up to rounding. The gradient is then ``sum_k a_
 gradients ``P_k``, exact by linearity of the backward. A row serves one call with grad (a second use recomputes);
 a cotangent outside the span makes the call recompute natively, forward and backward, in that backward.
 
+"Up to rounding" is the rounding of the precision the cotangents were computed in, which can be coarser than their
+dtype: a loss head computing in float32 over a float64 module (TRL's log-probabilities, a FlowGRPO step's float32
+log-prob over a float64 backbone) hands back float64 cotangents with float32's rounding. The coarsest floating dtype
+among the ops of the heads' backward (:class:`LowestPrecision`) sets the span test's tolerance; the update's loss
+is the heads' own, so its cotangent carries the same rounding, and the served gradient is exact to that precision.
+
 Per transformer block, see :mod:`.reweight_blocks`.
 """
 from __future__ import annotations
@@ -16,6 +22,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from .engine import KeptCall, Match, ReuseEngine, ScheduleRuntime
 
@@ -31,13 +39,16 @@ class ProvisionalRows:
     used: torch.Tensor  # (rows,) bool: served to a call with grad already
     # per position among the call's tensors (a block's inputs), per cotangent: each row's input gradient
     inputs: dict[int, tuple[torch.Tensor, ...]] = field(default_factory=dict)
+    precision: torch.dtype | None = None  # the coarsest the cotangents were computed in (None: their dtype)
 
     @classmethod
     def settle(cls, engine: ReuseEngine, kept: KeptCall, basis: list[torch.Tensor] | None, gradients: list[list],
-               inputs: dict[int, tuple[torch.Tensor, ...]] | None = None) -> None:
+               inputs: dict[int, tuple[torch.Tensor, ...]] | None = None,
+               precision: torch.dtype | None = None) -> None:
         """Replace ``kept``'s saved tensors by what ``basis`` gave (per cotangent, per parameter: ``gradients``)."""
         kept.rows = cls(None if basis is None else torch.stack(basis, dim=1), list(zip(*gradients)),
-                        torch.zeros(len(kept.output), dtype=torch.bool, device="cpu"), inputs or {})  # host flags
+                        torch.zeros(len(kept.output), dtype=torch.bool, device="cpu"), inputs or {},  # host flags
+                        precision)
         # Kept as the backward made them: stacking the cotangents' gradients copied every row of every parameter
         # (full fine-tuning under FlowGRPO's KL: most of the step's time)
         held = (kept.rows.cotangents, *(g for per_basis in kept.rows.gradients for g in per_basis),
@@ -50,6 +61,27 @@ class ProvisionalRows:
 def span_tolerance(dtype: torch.dtype) -> float:
     """The residual, relative to the cotangent, that rounding alone can leave (two heads on the same values)."""
     return 1024 * torch.finfo(dtype).eps
+
+
+def coarsest(*dtypes: torch.dtype | None) -> torch.dtype | None:
+    """The floating dtype with the largest rounding among ``dtypes`` (None ignored; None if all are)."""
+    return max((d for d in dtypes if d is not None), key=lambda d: torch.finfo(d).eps, default=None)
+
+
+class LowestPrecision(TorchDispatchMode):
+    """Records the coarsest floating dtype of every op run inside: around the heads' backward, the precision their
+    cotangents were computed in (an op computing in float32 and handing float64 on shows as float32)."""
+
+    def __init__(self):
+        super().__init__()
+        self.dtype: torch.dtype | None = None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for leaf in pytree.tree_leaves(out):
+            if isinstance(leaf, torch.Tensor) and leaf.is_floating_point():
+                self.dtype = coarsest(self.dtype, leaf.dtype)
+        return out
 
 
 class Reweight(ScheduleRuntime):
@@ -79,6 +111,7 @@ class Reweight(ScheduleRuntime):
         Calls already backpropagated, and values kept without a program, are passed over."""
         calls = [kept for kept in calls if kept.rowwise is not None and not isinstance(kept.rows, ProvisionalRows)]
         cotangents = {id(kept): [] for kept in calls}
+        precision = None  # of the heads' backward, coarsest of all
         for head in heads:
             with engine.answering_with_leaves() as leaves:
                 loss = head()
@@ -86,7 +119,10 @@ class Reweight(ScheduleRuntime):
                 cotangents[id(kept)].append(torch.zeros_like(kept.output))
             if not leaves or not loss.requires_grad:
                 continue
-            grads = torch.autograd.grad(loss, [leaf for _, leaf in leaves], allow_unused=True, materialize_grads=True)
+            with LowestPrecision() as seen:
+                grads = torch.autograd.grad(loss, [leaf for _, leaf in leaves], allow_unused=True,
+                                            materialize_grads=True)
+            precision = coarsest(precision, seen.dtype)
             for (match, _), grad in zip(leaves, grads):
                 for kept, rows, positions in match.by_call():
                     if id(kept) in cotangents:
@@ -104,7 +140,7 @@ class Reweight(ScheduleRuntime):
                 untouched.append(kept)
                 continue
             grads = [kept.rowwise.backward(kept.key, kept.rows, c.to(kept.output.dtype), per_row=True) for c in basis]
-            ProvisionalRows.settle(engine, kept, basis, grads)
+            ProvisionalRows.settle(engine, kept, basis, grads, precision=precision)
         engine.forget(untouched)
 
     def available(self, kept: KeptCall, row: int) -> bool:
@@ -133,7 +169,7 @@ class Reweight(ScheduleRuntime):
             coefficients = context.values[order]
         else:
             basis = torch.cat([rows.cotangents[index] for rows, index, _ in groups])
-            coefficients = in_span(basis, cotangent[order])
+            coefficients = in_span(basis, cotangent[order], coarsest(*(rows.precision for rows, _, _ in groups)))
             if coefficients is None:
                 return None
         # Each parameter's gradient is a matrix-vector product over the rows' provisional gradients, read in place
@@ -171,14 +207,16 @@ class Reweight(ScheduleRuntime):
         return grads
 
 
-def in_span(basis: torch.Tensor, cotangent: torch.Tensor) -> torch.Tensor | None:
+def in_span(basis: torch.Tensor, cotangent: torch.Tensor, precision: torch.dtype | None = None) -> torch.Tensor | None:
     """Per row, the coefficients ``(rows, k)`` of ``cotangent`` ``(rows, *output)`` in the span of the row's
-    ``basis`` ``(rows, k, *output)``, or None where a row's residual is more than rounding could leave."""
+    ``basis`` ``(rows, k, *output)``, or None where a row's residual is more than rounding could leave: that of
+    ``precision`` (what the cotangents were computed in) where it is coarser than their dtype."""
     basis, g = basis.double().flatten(2), cotangent.double().flatten(1)
     gram = basis @ basis.transpose(1, 2)
     coefficients = (torch.linalg.pinv(gram) @ (basis @ g.unsqueeze(2))).squeeze(2)
     residual = g - (coefficients.unsqueeze(2) * basis).sum(1)
-    if not bool((residual.norm(dim=1) <= span_tolerance(cotangent.dtype) * g.norm(dim=1)).all()):
+    tolerance = span_tolerance(coarsest(cotangent.dtype, precision))
+    if not bool((residual.norm(dim=1) <= tolerance * g.norm(dim=1)).all()):
         return None
     return coefficients
 
