@@ -1,12 +1,13 @@
 """TRL's ``GRPOTrainer`` with a wrapped model, and Reweight under loss heads computing in float32 over a float64
 module (TRL's log-probabilities are float32 whatever the model's dtype)."""
 import copy
+import os
 
 import pytest
 import torch
 
 import leancompile
-from leancompile.runtime.reweight import ProvisionalRows
+from leancompile.integrations import trl as trl_integration
 
 
 # ------------------------------------------------------------------------ Reweight under a float32 head
@@ -91,3 +92,95 @@ def test_an_optimizer_step_by_a_fused_optimizer_ends_what_was_kept():
     assert [r.action for r in wrapped.last_calls] == ["kept", "served", "recomputed"]
     assert wrapped.last_calls[-1].kind == "weights"
     torch.testing.assert_close(out, wrapped.module(x), rtol=0, atol=0)
+
+
+# ------------------------------------------------------------------------------------- TRL GRPOTrainer
+
+trl = pytest.importorskip("trl")
+from benchmarks.trl import grpo_trainer, tiny_causal_lm  # noqa: E402  (after TRL is known to be there)
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # everything below is built here: nothing is fetched
+PROMPTS = ["abc", "bcd", "cde", "def"]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """A tiny Qwen2 causal LM in float64 saved to a local folder, and its character-level tokenizer."""
+    return tiny_causal_lm(32, 2, torch.float64, tmp_path_factory.mktemp("qwen2"))
+
+
+def _grpo(checkpoint, tmp_path, beta: float, schedule: str | None, wrap_where: str = "model"):
+    """Two generations of TRL's GRPO with ``num_iterations=2``: each generation batch (2 prompts x 4 completions)
+    is scored by a forward without grad in two chunks, shuffled, then trained over twice in two micro-batches
+    per optimizer step (4 optimizer steps). Returns the trained trainer and the wrapped module."""
+    trainer, wrapped = grpo_trainer(*checkpoint, PROMPTS * 2, schedule, wrap_where, output_dir=str(tmp_path),
+                                    beta=beta)
+    trainer.train()
+    return trainer, wrapped
+
+
+def _weights(trainer) -> torch.Tensor:
+    return torch.cat([p.detach().flatten() for _, p in sorted(_named_weights(trainer.model))])
+
+
+def _named_weights(model):
+    """The model's parameters by their own names (a wrapper's prefix dropped)."""
+    return [(name.replace(".module.", "."), p) for name, p in model.named_parameters()]
+
+
+_NATIVE: dict = {}
+
+
+def _native(checkpoint, tmp_path_factory, beta: float):
+    """Native's trained weights and logged rewards, once per ``beta`` for the module."""
+    if beta not in _NATIVE:
+        trainer, _ = _grpo(checkpoint, tmp_path_factory.mktemp("native"), beta, None)
+        _NATIVE[beta] = _weights(trainer), _rewards(trainer)
+    return _NATIVE[beta]
+
+
+def _rewards(trainer) -> list:
+    return [h["reward"] for h in trainer.state.log_history if "reward" in h]
+
+
+def _first_iterations_served(records, first_recompute: str = "weights") -> None:
+    """Per generation: the two scoring calls kept, the first iteration's two micro-batches served, the second's
+    (after an optimizer step) recomputed: the first for ``first_recompute`` (the weights; under Reweight, its rows'
+    gradients were used), which frees what was kept, the next for nothing kept."""
+    actions = [(r.action, r.kind) for r in records if r.action in ("kept", "served", "recomputed")]
+    generation = [("kept", "")] * 2 + [("served", "")] * 2 + [("recomputed", first_recompute),
+                                                                ("recomputed", "nothing kept")]
+    assert actions == generation * 2, actions
+
+
+# The decoder's output reaches TRL's log-probabilities through float32 (its fused head casts the logits), which
+# bounds what Reweight's combination of per-row gradients can match; Retain's served backward is the decoder's own.
+RETAIN_TOLERANCE = 1e-10
+REWEIGHT_TOLERANCE = 1e-6
+
+# Where the tests wrap the model: the user's one line before the trainer is built.
+WRAP_WHERE = "decoder"
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.04])
+@pytest.mark.parametrize("schedule", ["retain", "auto"])
+def test_grpo_trainer_wrapped_trains_as_native_and_serves_each_generations_first_iteration(
+        checkpoint, tmp_path_factory, schedule, beta):
+    native_weights, native_rewards = _native(checkpoint, tmp_path_factory, beta)
+    trainer, wrapped = _grpo(checkpoint, tmp_path_factory.mktemp(schedule), beta, schedule, WRAP_WHERE)
+    assert _rewards(trainer) == native_rewards
+    assert _relative(_weights(trainer), native_weights) <= RETAIN_TOLERANCE
+    _first_iterations_served(wrapped.last_calls)
+    stats = wrapped.stats()
+    assert stats["served_calls"] == 4 and stats["recompute_reasons"] == {"weights": 2, "nothing kept": 2}, stats
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.04])
+def test_grpo_trainer_under_reweight_trains_as_native_to_float32(checkpoint, tmp_path_factory, beta):
+    """TRL's loss, handed over by ``integrations.trl.reweight`` right after each rollout, gives each kept row its
+    gradients; the first iteration is served from them (the KL term: a second head at advantage 0)."""
+    native_weights, native_rewards = _native(checkpoint, tmp_path_factory, beta)
+    trainer, wrapped = _grpo(checkpoint, tmp_path_factory.mktemp("reweight"), beta, "reweight", WRAP_WHERE)
+    assert _rewards(trainer) == pytest.approx(native_rewards, rel=1e-6)
+    assert _relative(_weights(trainer), native_weights) <= REWEIGHT_TOLERANCE
+    _first_iterations_served(wrapped.last_calls, "used")

@@ -1,0 +1,1 @@
+"""Small adapters between leancompile and trainers users already run (:mod:`.trl`)."""
