@@ -11,18 +11,21 @@ from examples.loop_cli import trained_module
 
 from .cases import backbone_sizes
 from .measure import counted_step, interleaved_times, max_rel_weight_diff, timing_fields
+from .trl import TrlConfig, TrlLoop
 
 # Each loop at the benchmark's sizes (wider than the examples' defaults, see cases.py); the LLM runs its rollout's
 # old log-probabilities over 128 sequences at once and its update in micro-batches of 32.
 LOOPS = {
     "llm/grpo": (grpo_llm.Loop, grpo_llm.Config(hidden=256, layers=4, micro_batch=32)),
+    # TRL's GRPOTrainer on a Qwen2 of the same width: 64 completions per generation, micro-batches of 32
+    "llm/trl": (TrlLoop, TrlConfig(hidden=256, layers=4, micro_batch=32)),
     "sd3/flowgrpo": (flowgrpo_sd3.Loop, flowgrpo_sd3.Config(sizes=tuple(backbone_sizes("sd3").items()))),
     "flux/dancegrpo": (dancegrpo_flux.Loop, dancegrpo_flux.Config(sizes=tuple(backbone_sizes("flux").items()))),
 }
 # Each loop under Reweight too (it hands its loss to ``wrapped.provisional``).
 LOOPS.update({f"{name}/reweight": (loop, dataclasses.replace(config, schedule="reweight"))
               for name, (loop, config) in LOOPS.items()})
-QUICK_LOOPS = ("llm/grpo",)
+QUICK_LOOPS = ("llm/grpo", "llm/trl")
 
 
 def _on(device: str, name: str, config):

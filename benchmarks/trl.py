@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 from transformers import TrainerCallback
+from transformers.trainer_callback import PrinterCallback
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack, _pop_mode, _push_mode
 
 import leancompile
@@ -42,6 +43,7 @@ class TrlConfig:
     # (``trainer.model.model`` once it is built)
     wrap_where: str = "decoder"
     seed: int = 0
+    device: str = "cpu"  # "cuda": the trainer's own placement (use_cpu=False)
 
 
 def tiny_causal_lm(hidden: int, layers: int, dtype: torch.dtype, folder) -> tuple:
@@ -66,7 +68,7 @@ def tiny_causal_lm(hidden: int, layers: int, dtype: torch.dtype, folder) -> tupl
 
 
 def grpo_trainer(folder, tokenizer, prompts: list[str], schedule: str | None, wrap_where: str = "model",
-                 dtype: torch.dtype = torch.float64, **config):
+                 dtype: torch.dtype = torch.float64, device: str = "cpu", **config):
     """TRL's ``GRPOTrainer`` on the model saved in ``folder`` with ``num_iterations=2`` and the old
     log-probabilities computed (gradient accumulation 2 < 2 passes); ``config``: more ``GRPOConfig`` fields.
     ``schedule`` None: native; else the model is wrapped with it where ``wrap_where`` says, and under Reweight
@@ -86,9 +88,10 @@ def grpo_trainer(folder, tokenizer, prompts: list[str], schedule: str | None, wr
     config = {"per_device_train_batch_size": 4, "num_generations": 4, "max_completion_length": 6,
               "learning_rate": 1e-2, "max_steps": 4, "seed": 0, **config}
     args = trl.GRPOConfig(num_iterations=2, gradient_accumulation_steps=2, use_vllm=False, report_to=[], bf16=False,
-                          use_cpu=True, save_strategy="no", logging_steps=1, disable_tqdm=True, **config)
+                          use_cpu=device == "cpu", save_strategy="no", logging_steps=1, disable_tqdm=True, **config)
     trainer = trl.GRPOTrainer(model=model, reward_funcs=_reward, args=args, processing_class=tokenizer,
                               train_dataset=Dataset.from_dict({"prompt": prompts}))
+    trainer.remove_callback(PrinterCallback)  # the metrics stay in trainer.state.log_history
     if schedule is not None and wrap_where == "decoder":
         trainer.model.model = wrapped = leancompile.wrap(trainer.model.model, schedule=schedule)
     if schedule == "reweight":
@@ -106,7 +109,7 @@ class TrlLoop:
         folder, tokenizer = tiny_causal_lm(c.hidden, c.layers, c.dtype, self.folder.name)
         prompts = ["".join(CHARACTERS[(i + j) % 8] for j in range(6)) for i in range(c.prompts)]
         self.trainer, wrapped = grpo_trainer(
-            folder, tokenizer, prompts * 1000, c.schedule if use_leancompile else None, c.wrap_where, c.dtype,
+            folder, tokenizer, prompts * 1000, c.schedule if use_leancompile else None, c.wrap_where, c.dtype, c.device,
             per_device_train_batch_size=c.micro_batch, num_generations=c.group,
             max_completion_length=c.max_new_tokens, learning_rate=c.lr, max_steps=10**6,
             lr_scheduler_type="constant", seed=c.seed, output_dir=os.path.join(self.folder.name, "out"))

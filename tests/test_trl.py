@@ -184,3 +184,33 @@ def test_grpo_trainer_under_reweight_trains_as_native_to_float32(checkpoint, tmp
     assert _rewards(trainer) == pytest.approx(native_rewards, rel=1e-6)
     assert _relative(_weights(trainer), native_weights) <= REWEIGHT_TOLERANCE
     _first_iterations_served(wrapped.last_calls, "used")
+
+
+def test_reweight_integration_refuses_what_it_cannot_serve_by_name(checkpoint, tmp_path):
+    with pytest.raises(ValueError, match="trainer must be a trl.GRPOTrainer"):
+        trl_integration.reweight(torch.nn.Linear(2, 2))
+    native, _ = grpo_trainer(*checkpoint, PROMPTS, None, output_dir=str(tmp_path))
+    with pytest.raises(ValueError, match="trainer.model is not wrapped"):
+        trl_integration.reweight(native)
+    with pytest.raises(ValueError, match="wrap it with schedule='reweight'"):
+        trl_integration.reweight(grpo_trainer(*checkpoint, PROMPTS, "retain", WRAP_WHERE, output_dir=str(tmp_path))[0])
+    # One pass per generation: TRL reuses the update's own log-probabilities, nothing runs twice
+    with pytest.raises(ValueError, match="gradient_accumulation_steps=2 is a multiple of steps_per_generation"):
+        grpo_trainer(*checkpoint, PROMPTS, "reweight", WRAP_WHERE, output_dir=str(tmp_path), steps_per_generation=1)
+
+
+def test_the_benchmark_row_of_trl(monkeypatch):
+    """Native and wrapped trainers take their generations in alternation in one process (each in a thread of its
+    own that pauses between generations); the FLOP counter of the caller counts the trainer's work."""
+    from benchmarks import loops
+    from benchmarks.trl import TrlConfig, TrlLoop
+
+    config = TrlConfig(prompts=2, group=2, micro_batch=2, max_new_tokens=3, hidden=32, layers=2,
+                       dtype=torch.float64, wrap_where=WRAP_WHERE)
+    monkeypatch.setitem(loops.LOOPS, "llm/trl", (TrlLoop, config))
+    row = loops.measure_loop("llm/trl", repetitions=1)
+    # Each generation: the first pass's two micro-batches served, the second's two recomputed
+    assert (row["served_calls"], row["recomputed_calls"]) == (2, 2), row
+    assert 1.0 < row["ideal_speedup"] < 2.0 and row["native_flops"] > row["optimized_flops"] > 0
+    assert row["max_rel_weight_diff"] <= 1e-10
+    assert "| llm/trl (full), wrap (retain) |" in loops.loops_markdown([row])
