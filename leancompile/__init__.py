@@ -1,6 +1,6 @@
 """leancompile: removes the redundant backbone forward of GRPO post-training for flow transformers."""
 from .api import optimize
 from .plan import Plan, StepAction
-from .wrap import Wrapped, wrap
+from .wrap import NothingServedError, NothingServedWarning, Wrapped, unwrap, wrap
 
-__all__ = ["Plan", "StepAction", "Wrapped", "optimize", "wrap"]
+__all__ = ["NothingServedError", "NothingServedWarning", "Plan", "StepAction", "Wrapped", "optimize", "unwrap", "wrap"]
