@@ -2,6 +2,6 @@
 from .api import optimize
 from .runtime import optimizer_steps  # noqa: F401  (registers the hook)
 from .plan import Plan, StepAction
-from .wrap import Wrapped, wrap
+from .wrap import NothingServedError, NothingServedWarning, Wrapped, unwrap, wrap
 
-__all__ = ["Plan", "StepAction", "Wrapped", "optimize", "wrap"]
+__all__ = ["NothingServedError", "NothingServedWarning", "Plan", "StepAction", "Wrapped", "optimize", "unwrap", "wrap"]

@@ -18,20 +18,30 @@ cotangent outside it recomputes: :mod:`leancompile.runtime.reweight`).
 from __future__ import annotations
 
 import functools
+import warnings
+import weakref
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp import FSDPModule
+from torch.distributed.fsdp import FlatParameter, FSDPModule, FullyShardedDataParallel
+from torch.nn.modules.module import (register_module_buffer_registration_hook,
+                                     register_module_module_registration_hook,
+                                     register_module_parameter_registration_hook)
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.utils import _pytree as pytree
 
 from .cost.devices import free_memory
 from .backbones.families import FAMILIES
+from .backbones.plain import WRAPPED_CLASS
 from .passes.pipeline import PassHistory
 from .plan import Action, Schedule, StepAction
 from .runtime.bitwise import BitwiseRetain
-from .runtime.calls import Call
-from .runtime.engine import ReuseEngine
+from .runtime.calls import Call, bound
+from .runtime.engine import CallRecord, ReuseEngine
+from .runtime.identity import TRAINING_FLAGS
 from .runtime.regional import RegionalEngine, transformer_blocks
 from .runtime.reweight import Reweight
 from .runtime.rowwise import RowwiseBackbone
@@ -91,19 +101,42 @@ class _Admission:
         self.closed_at = self.engine.reader.versions()
 
 
+class NothingServedWarning(UserWarning):
+    """An optimizer step followed calls with grad of a wrapped module and none of them was served."""
+
+
+class NothingServedError(RuntimeError):
+    """:class:`NothingServedWarning` raised as an error (``wrap(..., strict=True)``)."""
+
+
+# What to do about each kind of recompute reason, for the warning of a loop that gains nothing.
+FIXES = {
+    "nothing kept": "no call without grad was kept before the update: the rollout must call the module under "
+                    "torch.no_grad() on the rows the update trains (check the trained= hint and memory_limit)",
+    "inputs": "the update's call differs from the rollout's in an argument (see last_calls): pass it the rollout's "
+              "own tensors, in the same dtype",
+    TRAINING_FLAGS: "the rollout and the update run the module in different modes and a submodule computes "
+                    "differently in the two (dropout with p > 0): run both in one mode, or set that p to 0",
+    "weights": "an optimizer step came between the rollout and the update: only the update's calls before the "
+               "first optimizer step after a rollout can be served",
+    "autocast": "the update runs under another autocast state than the rollout: use the same one in both",
+    "module state": "adapters or requires_grad differ between the rollout and the update (a KL reference runs "
+                    "natively by design)",
+    "arguments": "an argument is neither a tensor nor a constant",
+    "cotangent": "the update's loss is not in the span of the provisional head's: hand provisional() the update's "
+                 "own loss",
+    "used": "each kept row serves one call with grad before an optimizer step: the update ran the same rows twice",
+    "unsupported": "see the reason",
+}
+
+
 class Wrapped(torch.nn.Module):
-    """The wrapped module: called like it, with its calls going through the reuse engine. Attributes it does not
-    have are the module's (``config``, ``dtype``, ...); ``wrapped.module`` is the module itself (save that one)."""
+    """Put in front of the module's class by :func:`wrap`, as FSDP2's ``fully_shard`` puts ``FSDPModule``: the
+    module stays itself (``isinstance``, ``state_dict()`` keys, ``save_pretrained``, peft's methods, a ``forward``
+    assigned on it), and every call of it goes through the reuse engine."""
 
-    def __init__(self, module: torch.nn.Module, engine: ReuseEngine):
-        super().__init__()
-        self.module = module
-        self.__dict__["engine"] = engine  # not a submodule: its state is not the model's
-
-    def forward(self, *args, **kwargs):
-        if torch.is_grad_enabled() and not self.engine.answering_with_leaves_now:
-            self.engine.admit.close()
-        return self.engine(*args, **kwargs)
+    def __call__(self, *args, **kwargs):
+        return self.__dict__[_RUNTIME](self, args, kwargs)
 
     def provisional(self, head: Callable[[float], torch.Tensor]) -> None:
         """``schedule="reweight"``: backpropagate the update's loss through the calls kept since the last time.
@@ -113,18 +146,26 @@ class Wrapped(torch.nn.Module):
         with the kept outputs, nothing runs twice. Only each row's direction matters: a head off by a factor per
         row (another normalisation, the advantages' sign) still gives native's gradient, and one that is wrong
         otherwise makes the served calls recompute."""
-        schedule = self.engine.schedule
+        runtime = self.__dict__[_RUNTIME].serving
+        schedule = runtime.engine.schedule
         if not isinstance(schedule, Reweight):
             raise ValueError("provisional: the module was wrapped with schedule="
-                             f"{self.engine.admit.action.label!r}; wrap it with schedule='reweight'")
+                             f"{runtime.admission.action.label!r}; wrap it with schedule='reweight'")
         if not callable(head):
             raise ValueError(f"head must be a callable head(advantage) -> loss; got {type(head).__name__}")
-        self.engine.provisional([functools.partial(head, a) for a in schedule.advantages])
+        runtime.engine.provisional([functools.partial(head, a) for a in schedule.advantages])
 
     def stats(self) -> dict:
-        """Since the last call: calls served and recomputed (with each recompute's reason by kind), the peak bytes
-        the kept calls held, and the seconds the checks took."""
-        return self.engine.take_stats()
+        """Since the last call: calls with grad served (``served_calls``) and recomputed (with each recompute's
+        reason by kind), calls without grad answered with kept values (``served_values``), the peak bytes the kept
+        calls held, and the seconds the checks took; ``served_by``: the submodule that serves, where the module's
+        own calls could not be kept."""
+        return self.__dict__[_RUNTIME].stats()
+
+    @property
+    def engine(self):
+        """The reuse engine that serves this module's calls (a submodule's, after a descent)."""
+        return self.__dict__[_RUNTIME].serving.engine
 
     @property
     def pass_history(self):
@@ -134,24 +175,263 @@ class Wrapped(torch.nn.Module):
     @property
     def last_calls(self) -> list:
         """What the engine did with each call since ``stats()`` was last read."""
-        return list(self.engine.log.records)
+        runtime = self.__dict__[_RUNTIME]
+        return [*runtime.notes, *runtime.serving.engine.log.records]
 
     def release(self) -> None:
         """Free every kept call now (they are freed anyway once the weights change)."""
-        self.engine.release()
+        self.__dict__[_RUNTIME].serving.engine.release()
 
-    def __getattr__(self, name: str):
+
+_RUNTIME = "_leancompile_runtime"
+_CLASSES: dict[type, type] = {}
+
+
+def _wrapped_class(cls: type) -> type:
+    """The module's class with :class:`Wrapped` in front, one per class (as FSDP2 makes ``FSDP<class>``)."""
+    if cls not in _CLASSES:
+        _CLASSES[cls] = type(f"Wrapped{cls.__name__}", (Wrapped, cls), {"__module__": cls.__module__,
+                                                                        WRAPPED_CLASS: True})
+    return _CLASSES[cls]
+
+
+def unwrap(module: torch.nn.Module) -> torch.nn.Module:
+    """Undo :func:`wrap`: the module's own class again, nothing kept. Returns the module."""
+    if _RUNTIME not in module.__dict__:
+        raise ValueError(f"unwrap: {type(module).__name__} is not wrapped by leancompile.wrap")
+    if not type(module).__dict__.get(WRAPPED_CLASS):
+        raise ValueError(f"unwrap: {type(module).__name__} was given another class since it was wrapped (FSDP2's "
+                         "fully_shard): unwrap it before that")
+    runtime = module.__dict__.pop(_RUNTIME)
+    runtime.engine.release()
+    if runtime.below is not None:
+        unwrap(runtime.below[1])
+    module.__class__ = type(module).__bases__[-1]
+    return module
+
+
+# Bumped whenever any module registers a parameter, buffer or submodule: a wrapped module whose own tensors may
+# have changed (FSDP1 flattening them, peft adding adapters) looks again at its next call.
+_REGISTRATIONS = [0]
+
+
+def _registered(*_):
+    _REGISTRATIONS[0] += 1
+
+
+# Calls made while an engine runs (its native calls, its traces) run the module itself, a wrapped submodule too.
+_INSIDE = [0]
+
+
+class _Runtime:
+    """What a wrapped module's calls go through: the engine, what it keeps (the admission), the checks that a
+    framework around the module has not taken its parameters over, the submodule that serves the calls the module's
+    own program cannot keep, and the watch for a loop that gains nothing."""
+
+    def __init__(self, module: torch.nn.Module, options: dict, strict: bool):
+        self.options, self.strict = options, strict
+        self.notes: list[CallRecord] = []  # what the wrapper itself decided (a refusal, a descent)
+        self.below: tuple[str, torch.nn.Module] | None = None  # (name, submodule) serving the calls refused here
+        self.refused: dict[tuple, bool] = {}  # per program key refused here: whether the submodule serves it
+        self.window: list[CallRecord] = []  # the calls since the last optimizer step over the module's weights
+        self.served_ever = False
+        self.warned: set[str] = set()
+        self.refusal = _framework_refusal(module)
+        self._build(module)
+
+    def _build(self, module: torch.nn.Module) -> None:
+        self.registrations, self.parameters = _REGISTRATIONS[0], [id(p) for p in module.parameters()]
+        self.trainable = [p for p in module.parameters() if p.requires_grad]
+        self.engine, self.admission = _engine(module, **self.options)
+
+    @property
+    def serving(self) -> "_Runtime":
+        """The runtime whose engine serves: this one's, or the submodule's once this one's calls were refused."""
+        return self.below[1].__dict__[_RUNTIME].serving if self.below is not None else self
+
+    def __call__(self, module: torch.nn.Module, args: tuple, kwargs: dict):
+        if _INSIDE[0]:
+            return torch.nn.Module.__call__(module, *args, **kwargs)
+        _INSIDE[0] += 1
         try:
-            return super().__getattr__(name)
-        except AttributeError:
-            if name == "module":
+            self._look_again(module)
+            if self.refusal is not None:
+                if torch.is_grad_enabled():
+                    self._note("recomputed", args, self.refusal, "unsupported")
+                return self._natively(module, args, kwargs)
+            args, kwargs = bound(module.forward, args, kwargs)
+            if self._descends(module, args, kwargs):
+                return self._natively(module, args, kwargs)
+            log = self.engine.log
+            seen = len(log.records)
+            if torch.is_grad_enabled() and not self.engine.answering_with_leaves_now:
+                self.admission.close()
+            try:
+                with warnings.catch_warnings():
+                    # vmap of the per-row program runs kernels without a batching rule once per row, by design
+                    warnings.filterwarnings("ignore", message="There is a performance drop")
+                    return self.engine(*args, **kwargs)
+            finally:
+                self.window.extend(log.records[seen:])
+        except Exception as error:  # never break a loop that runs natively: run it so, and say why
+            if self.refusal is not None or _INSIDE[0] > 1:
                 raise
-            return getattr(self.module, name)
+            self.refusal = f"the engine failed ({type(error).__name__}: {error}); the module runs natively"
+            self.engine.release()
+            warnings.warn(f"leancompile.wrap: {self.refusal}", NothingServedWarning, stacklevel=3)
+            return self._natively(module, args, kwargs)
+        finally:
+            _INSIDE[0] -= 1
+
+    @staticmethod
+    def _natively(module: torch.nn.Module, args: tuple, kwargs: dict):
+        """The module's own call, outside the engine: a wrapped submodule serves its calls."""
+        _INSIDE[0] -= 1
+        try:
+            return torch.nn.Module.__call__(module, *args, **kwargs)
+        finally:
+            _INSIDE[0] += 1
+
+    def _note(self, action: str, args: tuple, reason: str, kind: str) -> None:
+        record = CallRecord(action, _rows(args), reason, kind)
+        self.notes.append(record)
+        self.window.append(record)
+
+    def _look_again(self, module: torch.nn.Module) -> None:
+        """Where a module anywhere registered tensors since the last call: whether this module's parameters are
+        still the ones the engine reads (else it is built anew, and a framework that flattens them is refused)."""
+        if self.registrations == _REGISTRATIONS[0]:
+            return
+        self.registrations = _REGISTRATIONS[0]
+        if [id(p) for p in module.parameters()] != self.parameters:
+            self.refusal = _framework_refusal(module)
+            if self.refusal is None:
+                self.engine.release()
+                self._build(module)
+
+    def _descends(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> bool:
+        """Whether calls like this one are served by a submodule: at the first such call without grad, where the
+        module's one-row program is refused (the output is not row-laid: a loss over every row, a mask), the
+        submodule holding most of the trainable parameters is wrapped alike and serves them, run natively here."""
+        if not isinstance(self.engine, ReuseEngine) or self.engine.answering_with_leaves_now:
+            return False
+        call = Call.of(args, kwargs, self.engine.shared)
+        if call.refusal is not None:
+            return False
+        signature = call.signature()
+        if signature not in self.refused:
+            if torch.is_grad_enabled():
+                return False
+            refusal = self.engine.program_refusal(call)
+            child = (self.below or _largest_trainable_child(module)) if refusal is not None else None
+            self.refused[signature] = child is not None
+            if child is not None:
+                name, submodule = self.below = child
+                if _RUNTIME not in submodule.__dict__:
+                    wrap(submodule, strict=self.strict, **self.options)
+                self._note("descended", args, f"calls like this one cannot be kept ({refusal}): its submodule "
+                           f"{name} ({type(submodule).__name__}) serves them", "descended")
+        return self.refused[signature]
+
+    def stats(self) -> dict:
+        stats = self.engine.take_stats()
+        if self.below is not None:
+            below = self.below[1].__dict__[_RUNTIME].stats()
+            reasons = Counter(stats["recompute_reasons"]) + Counter(below["recompute_reasons"])
+            stats = {k: stats.get(k, 0) + v for k, v in below.items() if isinstance(v, (int, float))}
+            stats.update(recompute_reasons=dict(reasons), served_by=self.below[0])
+        self.notes = []
+        return stats
+
+    def stepped(self) -> None:
+        """An optimizer step over the module's weights: warn once per cause where the calls with grad since the
+        previous step were all recomputed (or none was seen while the weights have gradients)."""
+        window, self.window = self.window, []
+        if self.below is not None:
+            window += self.below[1].__dict__[_RUNTIME].window
+        with_grad = [r for r in window if r.action in ("served", "recomputed")]
+        served = sum(r.action == "served" for r in with_grad)
+        self.served_ever |= served > 0
+        if served:
+            return
+        if not with_grad:
+            if not any(p.grad is not None for p in self.trainable):
+                return
+            kind, reason = "no call", ("its parameters have gradients, but no call of the module went through "
+                                       "leancompile (the loop calls .forward() directly, or an unwrapped copy)")
+            fix = "call the wrapped module itself (module(...))"
+        else:
+            kind = Counter(r.kind for r in with_grad).most_common(1)[0][0]
+            reason = next(r.reason for r in with_grad if r.kind == kind)
+            fix = FIXES.get(kind, "see last_calls")
+            if kind == "weights" and self.served_ever:  # the second optimizer step on one rollout, as expected
+                return
+        if kind in self.warned:
+            return
+        self.warned.add(kind)
+        message = (f"leancompile.wrap: an optimizer step followed {len(with_grad)} calls with grad of the wrapped "
+                   f"module and none was served: {kind}: {reason}. Fix: {fix}")
+        if self.strict:
+            raise NothingServedError(message)
+        warnings.warn(message, NothingServedWarning, stacklevel=4)
+
+
+def _rows(args: tuple) -> int:
+    tensors = [leaf for leaf in pytree.tree_leaves(args) if isinstance(leaf, torch.Tensor) and leaf.dim()]
+    return tensors[0].shape[0] if tensors else 0
+
+
+def _largest_trainable_child(module: torch.nn.Module) -> tuple[str, torch.nn.Module] | None:
+    """The direct submodule holding most of the module's trainable parameters (a decoder under its LM head), where
+    one does and is called itself (not a container such as ``nn.ModuleList``)."""
+    count = lambda m: sum(p.numel() for p in m.parameters() if p.requires_grad)
+    children = [(name, child) for name, child in module.named_children()
+                if not isinstance(child, (torch.nn.ModuleList, torch.nn.ModuleDict))]
+    best = max(children, key=lambda c: count(c[1]), default=None)
+    return best if best is not None and 2 * count(best[1]) > count(module) else None
+
+
+def _framework_refusal(module: torch.nn.Module) -> str | None:
+    """Why a framework that manages the module's parameters itself keeps it from being served (None: none does)."""
+    if any(isinstance(m, FullyShardedDataParallel) for m in module.modules()) or any(
+            isinstance(p, FlatParameter) for p in module.parameters()):
+        return ("FSDP1 (FullyShardedDataParallel) holds the module's parameters as flat shards it swaps in and out "
+                "around each call, which the engine cannot verify; it runs natively. Shard with FSDP2's "
+                "fully_shard (torch.distributed.fsdp) to be served per block")
+    if any(hasattr(p, "ds_id") for p in module.parameters()):
+        return ("DeepSpeed ZeRO-3 partitions the module's parameters and gathers them inside each call; it runs "
+                "natively. ZeRO-1 and ZeRO-2 (sharded gradients and optimizer states) are served")
+    return None
+
+
+_OPTIMIZER_HOOK = []
+
+
+def _watch(module: torch.nn.Module) -> None:
+    """Register the module for the optimizer-step watch (one global hook for every wrapped module)."""
+    _WATCHED.add(module)
+    if not _OPTIMIZER_HOOK:
+        _OPTIMIZER_HOOK.append(register_optimizer_step_pre_hook(_optimizer_step))
+        for register in (register_module_parameter_registration_hook, register_module_buffer_registration_hook,
+                         register_module_module_registration_hook):
+            register(_registered)
+
+
+_WATCHED: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
+
+
+def _optimizer_step(optimizer, *_):
+    stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    for module in list(_WATCHED):
+        runtime = module.__dict__.get(_RUNTIME)
+        if runtime is not None and any(id(p) in stepped for p in runtime.trainable):
+            runtime.stepped()
 
 
 def wrap(module: torch.nn.Module, schedule: str = "retain", memory_limit: int | None = None,
          shared: tuple[str, ...] = SHARED_ARGUMENTS, tune_matmuls: bool = True, bitwise: bool = False,
-         per_block: bool | None = None, trained: Callable[[int], bool] | None = None) -> Wrapped:
+         per_block: bool | None = None, trained: Callable[[int], bool] | None = None,
+         strict: bool = False) -> Wrapped:
     """Wrap ``module`` so that its calls with grad are served from its earlier calls without grad where that is
     verified to compute the same thing.
 
@@ -185,14 +465,18 @@ def wrap(module: torch.nn.Module, schedule: str = "retain", memory_limit: int | 
             False for a call that is not to be kept (FlowGRPO's steps past the first k of each sample batch:
             ``lambda n: n % num_steps < k``). None: every call is kept while they fit (DanceGRPO draws its trained
             steps after the rollout).
+        strict: raise :class:`NothingServedError` where the warning :class:`NothingServedWarning` would be given
+            (an optimizer step after calls with grad none of which was served), e.g. in CI.
 
     Returns:
-        The wrapped module; put it where the module was (inside ``DistributedDataParallel`` too).
+        The module itself, its class put behind :class:`Wrapped` (``isinstance`` holds, its ``state_dict`` keys
+        are its own); wrap it before or after DDP, FSDP2, accelerate's ``prepare`` or peft. A framework that
+        manages the parameters itself (FSDP1, DeepSpeed ZeRO-3) runs it natively, and ``stats()`` says so.
     """
     if not isinstance(module, torch.nn.Module):
         raise ValueError(f"module must be a torch.nn.Module; got {type(module).__name__}")
     if isinstance(module, Wrapped):
-        raise ValueError("module is already wrapped: wrap the module once (wrapped.module is the original)")
+        raise ValueError("module is already wrapped: wrap it once (leancompile.unwrap(module) undoes it)")
     if schedule not in WRAP_SCHEDULES:
         raise ValueError(f"schedule must be one of {WRAP_SCHEDULES} for a wrapped module; got {schedule!r}")
     if trained is not None and not callable(trained):
@@ -205,18 +489,35 @@ def wrap(module: torch.nn.Module, schedule: str = "retain", memory_limit: int | 
         raise ValueError(f"tune_matmuls must be True or False; got {tune_matmuls!r}")
     if not isinstance(bitwise, bool):
         raise ValueError(f"bitwise must be True or False; got {bitwise!r}")
-    auto = schedule == AUTO
-    if auto:  # Retain's runtime: a call kept past the memory limit waits in host memory (offload)
-        schedule = str(Schedule.RETAIN)
-    if bitwise and schedule != "retain":
+    if not isinstance(strict, bool):
+        raise ValueError(f"strict must be True or False; got {strict!r}")
+    if bitwise and schedule not in ("retain", AUTO):
         raise ValueError(f"bitwise=True keeps eager graphs on the device: it needs schedule='retain', got "
                          f"schedule={schedule!r}")
     if per_block is not None and not isinstance(per_block, bool):
         raise ValueError(f"per_block must be True, False or None; got {per_block!r}")
+    options = dict(schedule=schedule, memory_limit=memory_limit, shared=tuple(shared), tune_matmuls=tune_matmuls,
+                   bitwise=bitwise, per_block=per_block, trained=trained)
+    runtime = _Runtime(module, options, strict)  # refuses bad settings before the module changes
+    module.__class__ = _wrapped_class(type(module))
+    module.__dict__[_RUNTIME] = runtime
+    _watch(module)
+    if runtime.refusal is not None:
+        warnings.warn(f"leancompile.wrap: {runtime.refusal}", NothingServedWarning, stacklevel=2)
+    return module
+
+
+def _engine(module: torch.nn.Module, schedule: str, memory_limit: int | None, shared: tuple[str, ...],
+            tune_matmuls: bool, bitwise: bool, per_block: bool | None, trained):
+    """The engine that serves ``module``'s calls under ``wrap``'s options, and what it keeps."""
+    auto = schedule == AUTO
+    if auto:  # Retain's runtime: a call kept past the memory limit waits in host memory (offload)
+        schedule = str(Schedule.RETAIN)
     sharded = any(isinstance(m, FSDPModule) for m in module.modules())
     if per_block is None:
         per_block = sharded
     runtime = BitwiseRetain() if bitwise else SCHEDULES[Schedule(schedule)].runtime()
+    native = functools.partial(torch.nn.Module.__call__, module)  # the module's call, hooks included
     if per_block:
         if runtime.for_block() is None:
             raise ValueError(f"per_block=True serves each block's input gradient, which schedule={schedule!r}"
@@ -230,12 +531,13 @@ def wrap(module: torch.nn.Module, schedule: str = "retain", memory_limit: int | 
         engine = RegionalEngine(module, blocks, runtime.for_block, tune_matmuls, PassHistory(),
                                 shared=family.block_shared if family else (), call_shared=frozenset(shared))
     else:
-        engine = ReuseEngine(module, runtime,
-                             {1.0: RowwiseBackbone(module, tune_matmuls=tune_matmuls)}, shared=frozenset(shared))
+        engine = ReuseEngine(module, runtime, {1.0: RowwiseBackbone(module, tune_matmuls=tune_matmuls)},
+                             shared=frozenset(shared), native=native)
     action = StepAction(0, Action(schedule), "a call without grad of the wrapped module that matches no kept call")
     overflow = (StepAction(0, Action.OFFLOAD, "a kept call past the device's memory limit")
                 if auto and not bitwise else None)
     # Reweight's heads backpropagate through FSDP2's per-block collectives: every rank must keep the same calls
     agreed = per_block and sharded and schedule == str(Schedule.REWEIGHT)
-    engine.admit = _Admission(engine, action, memory_limit, trained, overflow, agreed=agreed)
-    return Wrapped(module, engine)
+    admission = _Admission(engine, action, memory_limit, trained, overflow, agreed=agreed)
+    engine.admit = admission
+    return engine, admission

@@ -4,6 +4,10 @@ from __future__ import annotations
 import torch
 
 
+# Set on the classes leancompile.wrap generates (its runtime lives in the module's ``_leancompile_*`` attributes).
+WRAPPED_CLASS = "_leancompile_wrapped_class"
+
+
 def plain_copy(module: torch.nn.Module) -> torch.nn.Module:
     """A copy of ``module``'s tree as its own classes, sharing its current parameters and buffers, without FSDP2's
     forward hooks (which would re-register the weights on the module and defeat a functional call) and without a
@@ -14,10 +18,13 @@ def plain_copy(module: torch.nn.Module) -> torch.nn.Module:
     from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
 
     cls = type(module)
-    if issubclass(cls, FSDPModule):  # fully_shard made the class FSDP<cls>(FSDPModule, cls)
-        cls = next(base for base in cls.__bases__ if base is not FSDPModule)
+    # fully_shard made the class FSDP<cls>(FSDPModule, cls), leancompile.wrap Wrapped<cls>(Wrapped, cls): the
+    # module's own class is the last base
+    while issubclass(cls, FSDPModule) or cls.__dict__.get(WRAPPED_CLASS):
+        cls = cls.__bases__[-1]
     plain = object.__new__(cls)
-    plain.__dict__.update({k: v for k, v in module.__dict__.items() if k not in (STATE_KEY, REGISTRY_KEY, "forward")})
+    plain.__dict__.update({k: v for k, v in module.__dict__.items()
+                           if k not in (STATE_KEY, REGISTRY_KEY, "forward") and not k.startswith("_leancompile")})
     plain._parameters = dict(module._parameters)
     plain._buffers = dict(module._buffers)
     plain._modules = {name: None if child is None else plain_copy(child) for name, child in module._modules.items()}

@@ -10,6 +10,8 @@ their size: a shared tensor whose leading size happens to equal the batch must b
 """
 from __future__ import annotations
 
+import functools
+import inspect
 import math
 from dataclasses import dataclass
 
@@ -88,6 +90,57 @@ class Call:
         it = iter(tensors)
         leaves = [next(it) if isinstance(leaf, torch.Tensor) else leaf for leaf in self.leaves]
         return pytree.tree_unflatten(leaves, self.spec)
+
+
+@functools.lru_cache(maxsize=256)
+def _signature(function) -> inspect.Signature | None:
+    try:
+        return inspect.signature(function)
+    except (TypeError, ValueError):  # a builtin or a callable without one
+        return None
+
+
+def bound(forward, args: tuple, kwargs: dict, skip_first: bool = False) -> tuple[tuple, dict]:
+    """``(args, kwargs)`` as ``forward`` binds them, with every argument that has a name passed by name and every
+    omitted one whose default is a constant given its default: ``x=None`` passed and left out to its default
+    ``None`` are one call, as are the positional and the keyword spelling of an argument. Arguments that have no
+    name (positional-only ones, ``*args``) stay positional. Arguments ``forward`` does not bind are left as they
+    are (the module raises its own error when it runs). ``skip_first``: ``forward`` is an unbound function whose
+    first parameter (the module) is not among ``args``."""
+    function = getattr(forward, "__func__", forward)
+    signature = _signature(function)
+    if signature is None:
+        return args, kwargs
+    parameters = list(signature.parameters.values())
+    if skip_first or function is not forward:  # a method: its first parameter is the module
+        parameters = parameters[1:]
+    signature = signature.replace(parameters=parameters)
+    try:
+        arguments = signature.bind(*args, **kwargs).arguments
+    except TypeError:
+        return args, kwargs
+    # Parameters before a non-empty ``*args`` can only be passed positionally
+    variadic = next((i for i, p in enumerate(parameters) if p.kind is p.VAR_POSITIONAL
+                     and arguments.get(p.name)), -1)
+    positional, named = [], {}
+    for i, parameter in enumerate(parameters):
+        if parameter.name in arguments:
+            value = arguments[parameter.name]
+        elif parameter.default is not parameter.empty and _constant(parameter.default):
+            value = parameter.default
+        else:
+            continue
+        if parameter.kind is parameter.POSITIONAL_ONLY:
+            positional.append(value)
+        elif parameter.kind is parameter.VAR_POSITIONAL:
+            positional.extend(value)
+        elif parameter.kind is parameter.VAR_KEYWORD:
+            named.update(value)
+        elif i < variadic:
+            positional.append(value)
+        else:
+            named[parameter.name] = value
+    return tuple(positional), named
 
 
 def _named(path, names: frozenset[str]) -> bool:

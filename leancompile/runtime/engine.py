@@ -94,8 +94,9 @@ class StepLog:
 
     def stats(self) -> dict:
         count = lambda action, what: sum(what(r) for r in self.records if r.action == action)
-        return {"served_calls": count("served", lambda r: 1) + count("served values", lambda r: 1),
-                "served_rows": count("served", lambda r: r.rows) + count("served values", lambda r: r.rows),
+        return {"served_calls": count("served", lambda r: 1),
+                "served_rows": count("served", lambda r: r.rows),
+                "served_values": count("served values", lambda r: 1),
                 "recomputed_calls": count("recomputed", lambda r: 1),
                 "recomputed_rows": count("recomputed", lambda r: r.rows),
                 "recompute_reasons": dict(Counter(r.kind for r in self.records if r.action == "recomputed"))}
@@ -180,6 +181,7 @@ class ReuseEngine:
         self._fingerprint = None  # of the weights when the first call was kept; checked at the first lookup
         self._checked = True
         self._same: dict[tuple, bool] = {}  # (kept program key, call's key) -> whether both are the same graphs
+        self._stale: str | None = None  # why the kept calls were last freed, where the weights changed
         self.held_bytes = 0
         self.peak_bytes = 0
         self.check_seconds = 0.0  # spent reading states, digesting rows, looking up and verifying this step
@@ -252,6 +254,10 @@ class ReuseEngine:
             self._remember_values(call, output, keys)  # e.g. a KL reference the update will ask for again
         return output
 
+    def program_refusal(self, call: Call) -> str | None:
+        """Why a call like ``call`` cannot be kept by its one-row program (compiled now if it is not yet)."""
+        return self.rowwise[1.0].program(self.reader.read(call).compile_key, call).refusal
+
     def _remember_values(self, call: Call, output, keys) -> None:
         """Keep a call's output values only (no activations): a later equal call without grad is served them."""
         start = time.perf_counter()
@@ -312,6 +318,7 @@ class ReuseEngine:
         return program.output.unpack(output, copy=True)  # the loop may write into what it gets; the kept stays
 
     def _remember(self, state, call: Call, output, layout, rowwise=None, key=(), keys=None) -> KeptCall:
+        self._stale = None
         kept = KeptCall(state, tuple(t.detach() for t in call.identity_rows),
                         tuple(t.detach() for t in call.whole_inputs), output, layout, rowwise, key)
         self.kept.append(kept)
@@ -325,30 +332,32 @@ class ReuseEngine:
         """The kept rows that verifiably recompute this call's rows (row digests ``keys``), or why not (reason,
         kind). The call's state is read only once every row has a candidate."""
         if not self.kept:
+            if self._stale is not None:  # freed because the weights changed: that is the reason
+                return None, f"the kept calls were freed: {self._stale}", "weights"
             return None, "nothing kept", "nothing kept"
         candidates = [self._index.get(key, ()) for key in keys]
         if not all(candidates):
             return None, f"row {candidates.index(())}: no kept call has these inputs", "inputs"
         state = self.reader.read(call)
-        places, differences = [], Counter()
+        places, differences = [], {}  # the reasons' kinds, each with a kept call that differs so
         verdicts: dict[int, str | None] = {}  # per kept call: its rows share one state
         for i, kept_rows in enumerate(candidates):
             found = None
             for kept, kept_row in _in_order(kept_rows, places[-1] if places else None,
                                              candidates[i + 1] if i + 1 < len(candidates) else ()):
-                if not self.schedule.available(kept, kept_row) or (id(kept), kept_row) in self._answered:
-                    differences["used"] += 1  # an equal row was there but has served its call: the reason given
-                    continue
                 if id(kept) not in verdicts:
                     difference = kept.state.difference(state)
                     if difference == TRAINING_FLAGS and self._same_program(kept, state, call):
                         difference = None
                     verdicts[id(kept)] = difference
                 difference = verdicts[id(kept)]
-                if difference is None:
+                if difference is not None:
+                    differences.setdefault(difference, kept)
+                elif not self.schedule.available(kept, kept_row) or (id(kept), kept_row) in self._answered:
+                    differences.setdefault("used", kept)  # an equal row was there but has served its call
+                else:
                     found = (kept, kept_row)
                     break
-                differences[difference] += 1
             if found is None:
                 break
             places.append(found)
@@ -356,12 +365,12 @@ class ReuseEngine:
                 self._answered.add((id(found[0]), found[1]))
         self._drop_stale(state)
         if len(places) < len(keys):
-            if differences["used"]:
+            if "used" in differences:  # a kept call in the same state had these rows
                 return None, "every kept row with these inputs has served its call", "used"
             # The nearest kept call's difference (the one agreeing in the most fields): a KL reference's kept values
             # differ in adapters, the rollout's call after an optimizer step in weights, which is the reason.
             kind = max(differences, key=[kind for kind, _ in DIFFERENCES].index)
-            return None, f"the nearest kept call with these inputs differs in {kind}", kind
+            return None, differences[kind].state.explain(state, self.reader), kind
         match = Match(tuple(places))
         for kept, rows, positions in match.by_call():
             here, there = RowPick(positions), RowPick(rows)
@@ -397,7 +406,9 @@ class ReuseEngine:
         call is kept after this ran, so the kept calls always share one version."""
         if not self.kept or self.kept[0].state.versions == state.versions:
             return
-        self.forget([k for k in self.kept if k.state.versions != state.versions])
+        stale = [k for k in self.kept if k.state.versions != state.versions]
+        self._stale = stale[0].state.explain(state, self.reader)
+        self.forget(stale)
         if not self.kept:  # the fingerprint was of the weights they were made with
             self._fingerprint, self._checked = None, True
 

@@ -15,6 +15,7 @@ import operator
 from dataclasses import dataclass
 
 import torch
+from torch.utils import _pytree as pytree
 
 from .calls import Call
 
@@ -50,6 +51,31 @@ class CallState:
                 return kind
         return None
 
+    def explain(self, other: "CallState", reader: "StateReader") -> str:
+        """What differs between the two states, named: the argument, the parameters, the submodule."""
+        kind = self.difference(other)
+        if kind == "inputs":
+            return f"argument {_first_difference(self.signature, other.signature)} differs from the kept call's"
+        if kind == "autocast":
+            return f"autocast {other.autocast} differs from the kept call's {self.autocast}"
+        if kind == "module state":
+            if self.modules[0] != other.modules[0]:
+                return "a LoRA layer's adapters are enabled or disabled unlike in the kept call"
+            name = _first(reader.parameter_names, self.modules[1], other.modules[1])
+            return f"parameter {name} requires grad unlike in the kept call"
+        if kind == "weights":
+            changed = sum(a != b for a, b in zip(self.versions, other.versions))
+            name = _first(reader.tensor_names, self.versions, other.versions)
+            return (f"{changed} of {len(self.versions)} parameters and buffers were written since the kept call (an "
+                    f"optimizer step), {name} first: a call after it recomputes")
+        if kind == TRAINING_FLAGS:
+            i = next(i for i, (a, b) in enumerate(zip(self.training, other.training)) if a != b)
+            module = reader.modules[i]
+            return (f"submodule {reader.module_names[i] or '(the module)'} ({type(module).__name__}) is in "
+                    f"{'train' if other.training[i] else 'eval'} mode, the kept call ran it in "
+                    f"{'train' if self.training[i] else 'eval'} mode, and the two modes' programs differ")
+        return "equal"
+
     @property
     def compile_key(self) -> tuple:
         """What a compiled program depends on (not the weights' values)."""
@@ -60,13 +86,18 @@ class StateReader:
     """Reads :class:`CallState` for one backbone (its module and tensor lists taken once)."""
 
     def __init__(self, backbone: torch.nn.Module, sources: list[torch.Tensor] = ()):
-        self.modules = list(backbone.modules())
+        named = list(backbone.named_modules())
+        self.module_names, self.modules = [n for n, _ in named], [m for _, m in named]
         # Each module's flag read from its instance dict: an attribute lookup walks the class's whole MRO whenever
         # the interpreter's type cache has been evicted (it is, by a backbone call), several times the cost.
         self.flags = [m.__dict__ for m in self.modules]
         self.lora = [m for m in self.modules if hasattr(m, "lora_A")]
-        self.parameters = list(backbone.parameters())
-        self.tensors = [*self.parameters, *backbone.buffers()]
+        parameters, buffers = list(backbone.named_parameters()), list(backbone.named_buffers())
+        self.parameter_names = [n for n, _ in parameters]
+        self.parameters = [p for _, p in parameters]
+        self.tensors = [*self.parameters, *(b for _, b in buffers)]
+        shards = (f"shard {i}" for i in range(len(sources)))
+        self.tensor_names = [*self.parameter_names, *(n for n, _ in buffers), *shards]
         # What the weights are copies of (FSDP2 shards) is versioned too.
         self.versioned = [*self.tensors, *sources]
 
@@ -90,6 +121,28 @@ class StateReader:
         if not tensors:
             return torch.zeros(0, device="cpu")
         return torch.stack(torch._foreach_norm(tensors))
+
+
+def _first(names: list[str], a: tuple, b: tuple) -> str:
+    """The name of the first position where ``a`` and ``b`` differ."""
+    return next((name for name, x, y in zip(names, a, b) if x != y), "?")
+
+
+def _first_difference(kept: tuple, now: tuple) -> str:
+    """The first argument (by its path in the call) where two calls' signatures differ (see Call.signature)."""
+    (kept_spec, kept_leaves), (spec, leaves) = kept, now
+    if kept_spec != spec:
+        names, kept_names = set(_paths(spec)), set(_paths(kept_spec))
+        return ", ".join(sorted(names ^ kept_names)) or "tree"
+    i = next((i for i, (a, b) in enumerate(zip(kept_leaves, leaves)) if a != b), 0)
+    return f"{_paths(spec)[i]} ({leaves[i]!r}, kept {kept_leaves[i]!r})"
+
+
+def _paths(spec) -> list[str]:
+    """Each leaf's path in a call's ``(args, kwargs)`` tree, as ``kwargs['name']`` or ``args[0]``."""
+    tree = pytree.tree_unflatten(list(range(spec.num_leaves)), spec)
+    flat = pytree.tree_flatten_with_path(tree)[0]
+    return [("args" if path[0].idx == 0 else "kwargs") + pytree.keystr(path[1:]) for path, _ in flat]
 
 
 def row_keys(inputs: tuple[torch.Tensor, ...]) -> list[tuple]:

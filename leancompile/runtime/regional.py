@@ -26,7 +26,6 @@ call), so FSDP2's hooks run around it exactly as natively:
 from __future__ import annotations
 
 import contextlib
-import inspect
 from collections.abc import Callable
 from dataclasses import replace
 
@@ -37,7 +36,7 @@ from torch.utils import _pytree as pytree
 
 from ..backbones.plain import plain_copy
 from ..passes.pipeline import PassHistory
-from .calls import Call, output_layout
+from .calls import Call, bound, output_layout
 from .engine import KeptCall, Match, ReuseEngine, ScheduleRuntime, StepLog
 from .identity import StateReader, row_keys
 from .reweight import Reweight
@@ -76,8 +75,7 @@ class RegionalEngine:
             self.engines.append(ReuseEngine(block, schedule(), rowwise, native=native, shared=frozenset(shared)))
         for engine in self.engines:
             engine.identity = self._identity
-        self._routes = [_ByName(engine, inspect.signature(type(block).forward)) for block, engine
-                        in zip(self.blocks, self.engines)]
+        self._routes = [_ByName(engine, type(block).forward) for block, engine in zip(self.blocks, self.engines)]
         self.reader = StateReader(backbone)
         self._calls: list[KeptCall] = []  # the kept backbone calls (inputs and state; the blocks keep the rest)
         self._index: dict[tuple, list[tuple[KeptCall, int]]] = {}
@@ -456,25 +454,16 @@ class _ByName:
     row shows which arguments those are, shared from then on (a call of one row kept before that is classified
     otherwise, and so is never matched: it recomputes)."""
 
-    def __init__(self, engine: ReuseEngine, signature: inspect.Signature):
+    def __init__(self, engine: ReuseEngine, forward):
         self.engine = engine
-        self.signature = signature
-        self.named = all(p.kind is not p.VAR_POSITIONAL for p in signature.parameters.values())
+        self.forward = forward  # the block class's, unbound
         self.learned = False
 
     def __call__(self, *args, **kwargs):
-        if not self.named:
-            return self.engine(*args, **kwargs)
-        bound = self.signature.bind(None, *args, **kwargs).arguments  # None: the block itself, bound already
-        named = {}
-        for name, value in list(bound.items())[1:]:
-            if self.signature.parameters[name].kind is inspect.Parameter.VAR_KEYWORD:
-                named.update(value)
-            else:
-                named[name] = value
+        args, named = bound(self.forward, args, kwargs, skip_first=True)
         if not self.learned:
             self._learn_shared(named)
-        return self.engine(**named)
+        return self.engine(*args, **named)
 
     def _learn_shared(self, named: dict) -> None:
         tensors = [(name, leaf) for name, value in named.items() for leaf in pytree.tree_leaves(value)
