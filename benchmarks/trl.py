@@ -41,7 +41,7 @@ class TrlConfig:
     schedule: str = "retain"
     # Where the loop wraps: "model" (``model = leancompile.wrap(model)`` before the trainer is built) or "decoder"
     # (``trainer.model.model`` once it is built)
-    wrap_where: str = "decoder"
+    wrap_where: str = "model"
     seed: int = 0
     device: str = "cpu"  # "cuda": the trainer's own placement (use_cpu=False)
 

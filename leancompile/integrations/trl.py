@@ -27,6 +27,7 @@ import functools
 import torch
 
 from ..runtime.reweight import Reweight
+from ..wrap import Wrapped
 
 # What ``compute_loss`` writes besides the loss (logged metrics, the adaptive entropy controller): the heads' runs
 # are not training steps, so the trainer gets these back as they were.
@@ -49,8 +50,8 @@ def reweight(trainer):
         raise ValueError("trainer.model is not wrapped: build the trainer on "
                          "model = leancompile.wrap(model, schedule='reweight')")
     if not isinstance(wrapped.engine.schedule, Reweight):
-        raise ValueError(f"the trainer's model was wrapped with schedule={wrapped.engine.admit.action.label!r}; "
-                         "wrap it with schedule='reweight'")
+        raise ValueError("the trainer's model was wrapped with another schedule than Reweight; wrap it with "
+                         "schedule='reweight'")
     args = trainer.args
     # TRL's own condition for computing the old log-probabilities (else it reuses the update's, detached)
     generate_every = args.steps_per_generation * trainer.num_iterations
@@ -85,9 +86,6 @@ def _loss_at(trainer, batch: dict, advantage: float) -> torch.Tensor:
         trainer.__dict__.update(saved)
 
 
-def _wrapped_module(model: torch.nn.Module):
-    """``model`` or its first submodule whose calls go through a reuse engine (None: none does)."""
-    for module in model.modules():
-        if hasattr(module, "provisional") and hasattr(module, "engine"):
-            return module
-    return None
+def _wrapped_module(model: torch.nn.Module) -> Wrapped | None:
+    """``model`` or its first submodule wrapped by :func:`leancompile.wrap` (None: none is)."""
+    return next((module for module in model.modules() if isinstance(module, Wrapped)), None)
