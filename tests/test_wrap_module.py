@@ -1,0 +1,193 @@
+"""``leancompile.wrap`` on modules as frameworks hold and call them: the wrapped module stays the module, a call is
+its bound call, a forward assigned on it still runs through the engine, an output that is not one row-laid tensor
+is served through the submodule that computes its rows, and a loop that gains nothing is told so."""
+import types
+import warnings
+
+import pytest
+import torch
+
+import leancompile
+from leancompile import backbones
+
+
+def _sd3():
+    backbone = backbones.tiny("sd3", seed=0, dtype=torch.float64)
+    text = backbone.dummy_conditioning(3, torch.Generator().manual_seed(1), dtype=torch.float64)
+    latents = torch.randn(3, *backbone.latent_shape, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    inputs = dict(hidden_states=latents, timestep=torch.tensor([500.0, 300.0, 100.0], dtype=torch.float64),
+                  encoder_hidden_states=text.text, pooled_projections=text.pooled)
+    return backbone.model, inputs
+
+
+def _grads(module) -> torch.Tensor:
+    return torch.cat([p.grad.flatten() for p in module.parameters() if p.requires_grad])
+
+
+def _update(module, **inputs) -> torch.Tensor:
+    module.zero_grad(set_to_none=True)
+    module(**inputs, return_dict=False)[0].square().sum().backward()
+    return _grads(module)
+
+
+def test_none_passed_and_left_out_to_its_default_are_one_call():
+    """FlowGRPO's rollout passes ``joint_attention_kwargs=None``, its update leaves the argument out."""
+    module, inputs = _sd3()
+    native = _update(module, **inputs)
+    wrapped = leancompile.wrap(module)
+    with torch.no_grad():
+        wrapped(**inputs, joint_attention_kwargs=None, return_dict=False)
+    grads = _update(wrapped, **inputs)
+    assert wrapped.stats()["served_calls"] == 1
+    torch.testing.assert_close(grads, native, rtol=1e-10, atol=1e-12)
+
+
+def test_positional_and_keyword_spellings_are_one_call():
+    module, inputs = _sd3()
+    wrapped = leancompile.wrap(module)
+    with torch.no_grad():
+        wrapped(inputs["hidden_states"], inputs["encoder_hidden_states"], inputs["pooled_projections"],
+                inputs["timestep"], return_dict=False)
+    _update(wrapped, **inputs)
+    assert wrapped.stats()["served_calls"] == 1
+
+
+def test_a_recompute_names_the_argument_that_differs():
+    module, inputs = _sd3()
+    wrapped = leancompile.wrap(module)
+    with torch.no_grad():
+        wrapped(**inputs, return_dict=False)
+    wrapped.zero_grad()
+    wrapped(**inputs, return_dict=False, skip_layers=[0])[0].sum().backward()
+    [record] = [r for r in wrapped.last_calls if r.action == "recomputed"]
+    assert record.kind == "inputs" and "skip_layers" in record.reason, record
+
+
+def test_the_module_keeps_its_class_its_keys_and_what_saves_it(tmp_path):
+    module, _ = _sd3()
+    keys, cls = list(module.state_dict()), type(module)
+    wrapped = leancompile.wrap(module)
+    assert wrapped is module and isinstance(wrapped, cls) and isinstance(wrapped, leancompile.Wrapped)
+    assert list(wrapped.state_dict()) == keys
+    wrapped.save_pretrained(tmp_path)
+    reloaded = cls.from_pretrained(tmp_path, torch_dtype=torch.float64)
+    assert type(reloaded) is cls
+    for (name, a), (_, b) in zip(wrapped.state_dict().items(), reloaded.state_dict().items(), strict=True):
+        assert torch.equal(a, b), name
+    assert type(leancompile.unwrap(wrapped)) is cls
+
+
+def test_a_forward_assigned_on_the_wrapped_module_runs_through_the_engine():
+    """TRL assigns its fused log-prob head as ``model.forward``, accelerate its autocast wrapper: the assigned
+    forward is what the module computes, and its calls are still kept and served."""
+    module, inputs = _sd3()
+    original = module.forward
+    wrapped = leancompile.wrap(module)
+    wrapped.forward = types.MethodType(lambda self, **kw: (original(**kw)[0] * 2.0,), wrapped)
+    with torch.no_grad():
+        kept = wrapped(**inputs, return_dict=False)[0]
+    grads = _update(wrapped, **inputs)
+    assert wrapped.stats()["served_calls"] == 1
+    leancompile.unwrap(wrapped)
+    del module.forward
+    torch.testing.assert_close(kept, 2.0 * module(**inputs, return_dict=False)[0], rtol=1e-12, atol=1e-12)
+    module.zero_grad()
+    (2.0 * module(**inputs, return_dict=False)[0]).square().sum().backward()
+    torch.testing.assert_close(grads, _grads(module), rtol=1e-10, atol=1e-12)
+
+
+class ScoredModel(torch.nn.Module):
+    """A model output as TRL's fused head returns one: a scalar loss over every row, per-row log-probs and entropy,
+    and a bool mask; the rows come from its ``body``."""
+
+    def __init__(self):
+        super().__init__()
+        generator = torch.Generator().manual_seed(0)
+        self.body = torch.nn.Sequential(torch.nn.Linear(6, 32), torch.nn.Tanh(), torch.nn.Linear(32, 32)).double()
+        self.head = torch.nn.Linear(32, 5).double()
+        for p in self.parameters():
+            torch.nn.init.normal_(p, std=0.3, generator=generator)
+
+    def forward(self, x, labels):
+        logits = self.head(self.body(x)).log_softmax(-1)
+        log_probs = logits.gather(-1, labels[:, None])[:, 0]
+        entropy = -(logits.exp() * logits).sum(-1)
+        return {"loss": -log_probs.mean(), "log_probs": log_probs, "entropy": entropy, "mask": labels > 0}
+
+
+def test_an_output_that_is_not_row_laid_is_served_through_the_submodule_that_computes_its_rows():
+    x = torch.randn(4, 6, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    labels = torch.tensor([0, 3, 1, 4])
+    native = ScoredModel()
+    native(x, labels)["loss"].backward()
+    wrapped = leancompile.wrap(ScoredModel())
+    with torch.no_grad():
+        wrapped(x, labels)
+    wrapped(x, labels)["loss"].backward()
+    stats = wrapped.stats()
+    assert stats["served_calls"] == 1 and stats["served_by"] == "body", stats
+    for a, b in zip(wrapped.parameters(), native.parameters(), strict=True):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-10, atol=1e-14)
+
+
+def test_an_optimizer_step_after_calls_none_of_which_was_served_warns_once_with_the_reason_and_fix():
+    module, inputs = _sd3()
+    wrapped = leancompile.wrap(module)
+    optimizer = torch.optim.SGD(wrapped.parameters(), lr=1e-3)
+    with torch.no_grad():
+        wrapped(**inputs, return_dict=False)
+    shifted = dict(inputs, hidden_states=inputs["hidden_states"] + 1)
+    with pytest.warns(leancompile.NothingServedWarning, match="inputs: row 0: no kept call has these inputs.*Fix"):
+        _update(wrapped, **shifted)
+        optimizer.step()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", leancompile.NothingServedWarning)  # once per cause
+        _update(wrapped, **shifted)
+        optimizer.step()
+
+
+def test_strict_turns_the_warning_into_an_error():
+    module, inputs = _sd3()
+    wrapped = leancompile.wrap(module, strict=True)
+    optimizer = torch.optim.SGD(wrapped.parameters(), lr=1e-3)
+    _update(wrapped, **inputs)
+    with pytest.raises(leancompile.NothingServedError, match="nothing kept"):
+        optimizer.step()
+
+
+def test_a_served_loop_is_not_warned_and_its_second_optimizer_step_is_expected():
+    module, inputs = _sd3()
+    wrapped = leancompile.wrap(module)
+    optimizer = torch.optim.SGD(wrapped.parameters(), lr=1e-3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", leancompile.NothingServedWarning)
+        with torch.no_grad():
+            wrapped(**inputs, return_dict=False)
+        _update(wrapped, **inputs)
+        optimizer.step()
+        _update(wrapped, **inputs)  # the same rollout after an optimizer step: recomputes, as it must
+        optimizer.step()
+    assert wrapped.stats()["recompute_reasons"] == {"weights": 1}
+
+
+def test_after_an_optimizer_step_reweight_gives_weights_as_the_reason():
+    module, inputs = _sd3()
+    wrapped = leancompile.wrap(module, schedule="reweight")
+    with torch.no_grad():
+        wrapped(**inputs, return_dict=False)
+    wrapped.provisional(lambda a: a * wrapped(**inputs, return_dict=False)[0].square().sum())
+    _update(wrapped, **inputs)
+    torch.optim.SGD(wrapped.parameters(), lr=1e-3).step()
+    _update(wrapped, **inputs)
+    assert [r.kind for r in wrapped.last_calls if r.action == "recomputed"] == ["weights"]
+
+
+def test_torchs_batching_rule_warnings_do_not_reach_the_user():
+    module, inputs = _sd3()
+    wrapped = leancompile.wrap(module)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with torch.no_grad():
+            wrapped(**inputs, return_dict=False)
+        _update(wrapped, **inputs)
+    assert not [w for w in caught if "performance drop" in str(w.message)]
