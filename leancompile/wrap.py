@@ -236,6 +236,7 @@ class _Runtime:
         self.window: list[CallRecord] = []  # the calls since the last optimizer step over the module's weights
         self.served_ever = False
         self.warned: set[str] = set()
+        self.watched = True  # by the optimizer-step watch (a submodule serving after a descent: by its parent's)
         self.refusal = _framework_refusal(module)
         self._build(module)
 
@@ -329,6 +330,7 @@ class _Runtime:
                 name, submodule = self.below = child
                 if _RUNTIME not in submodule.__dict__:
                     wrap(submodule, strict=self.strict, **self.options)
+                submodule.__dict__[_RUNTIME].watched = False  # this runtime watches its calls with its own
                 self._note("descended", args, f"calls like this one cannot be kept ({refusal}): its submodule "
                            f"{name} ({type(submodule).__name__}) serves them", "descended")
         return self.refused[signature]
@@ -348,7 +350,8 @@ class _Runtime:
         previous step were all recomputed (or none was seen while the weights have gradients)."""
         window, self.window = self.window, []
         if self.below is not None:
-            window += self.below[1].__dict__[_RUNTIME].window
+            below = self.below[1].__dict__[_RUNTIME]
+            window, below.window = window + below.window, []
         with_grad = [r for r in window if r.action in ("served", "recomputed")]
         served = sum(r.action == "served" for r in with_grad)
         self.served_ever |= served > 0
@@ -424,7 +427,7 @@ def _optimizer_step(optimizer, *_):
     stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
     for module in list(_WATCHED):
         runtime = module.__dict__.get(_RUNTIME)
-        if runtime is not None and any(id(p) in stepped for p in runtime.trainable):
+        if runtime is not None and runtime.watched and any(id(p) in stepped for p in runtime.trainable):
             runtime.stepped()
 
 

@@ -221,9 +221,6 @@ def test_the_benchmark_row_of_trl(monkeypatch):
     assert "| llm/trl (full), wrap (retain) |" in loops.loops_markdown([row])
 
 
-@pytest.mark.xfail(strict=False, reason="the decoder's runtime (made by the descent) is watched on its own: when the "
-                   "optimizer-step hook visits it before the model's, it empties its window, and the model's then "
-                   "sees no call with grad and warns 'no call' (an order of a WeakSet)")
 def test_a_served_trl_run_warns_nothing(checkpoint, tmp_path):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", leancompile.NothingServedWarning)
