@@ -18,6 +18,7 @@ cotangent outside it recomputes: :mod:`leancompile.runtime.reweight`).
 from __future__ import annotations
 
 import functools
+import inspect
 import warnings
 import weakref
 from collections import Counter
@@ -259,7 +260,7 @@ class _Runtime:
                 if torch.is_grad_enabled():
                     self._note("recomputed", args, self.refusal, "unsupported")
                 return self._natively(module, args, kwargs)
-            args, kwargs = bound(module.forward, args, kwargs)
+            args, kwargs = bound(_named_forward(module), args, kwargs)
             if self._descends(module, args, kwargs):
                 return self._natively(module, args, kwargs)
             log = self.engine.log
@@ -374,6 +375,26 @@ class _Runtime:
         if self.strict:
             raise NothingServedError(message)
         warnings.warn(message, NothingServedWarning, stacklevel=4)
+
+
+def _named_forward(module: torch.nn.Module):
+    """The forward whose signature names the call's arguments: a pass-through ``forward(*args, **kwargs)`` (peft's
+    ``PeftModel``, DDP) binds as the module it hands them to, so that ``x=None`` passed and omitted are one call."""
+    seen = set()
+    while id(module) not in seen:
+        seen.add(id(module))
+        forward = module.forward
+        try:
+            kinds = {p.kind for p in inspect.signature(forward).parameters.values()}
+        except (TypeError, ValueError):
+            return forward
+        if not kinds <= {inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD}:
+            return forward
+        inner = module.get_base_model() if hasattr(module, "get_base_model") else getattr(module, "module", None)
+        if not isinstance(inner, torch.nn.Module):
+            return forward
+        module = inner
+    return module.forward
 
 
 def _rows(args: tuple) -> int:
