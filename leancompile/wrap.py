@@ -309,6 +309,11 @@ class _Runtime:
             if self.refusal is None:
                 self.engine.release()
                 self._build(module)
+            else:  # wrapped before FSDP1 flattened it: say so now, and watch the steps over its new parameters
+                self.engine.release()
+                self.parameters = [id(p) for p in module.parameters()]
+                self.trainable = [p for p in module.parameters() if p.requires_grad]
+                warnings.warn(f"leancompile.wrap: {self.refusal}", NothingServedWarning, stacklevel=4)
 
     def _descends(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> bool:
         """Whether calls like this one are served by a submodule: at the first such call without grad, where the
@@ -341,6 +346,11 @@ class _Runtime:
             reasons = Counter(stats["recompute_reasons"]) + Counter(below["recompute_reasons"])
             stats = {k: stats.get(k, 0) + v for k, v in below.items() if isinstance(v, (int, float))}
             stats.update(recompute_reasons=dict(reasons), served_by=self.below[0])
+        refused = [r for r in self.notes if r.action == "recomputed"]  # run natively by the wrapper (FSDP1)
+        if refused:
+            stats["recomputed_calls"] += len(refused)
+            stats["recomputed_rows"] += sum(r.rows for r in refused)
+            stats["recompute_reasons"] = dict(Counter(stats["recompute_reasons"]) + Counter(r.kind for r in refused))
         self.notes = []
         return stats
 
