@@ -79,7 +79,7 @@ def compute_log_prob(transformer, sample, j, embeds, pooled, sigmas):
                          NOISE_LEVEL, prev_sample=sample["latents"][:, j + 1])
 
 
-def run(use_leancompile: bool, where: str = "before prepare", seed: int = 0) -> dict:
+def run(use_leancompile: bool, where: str = "before prepare", seed: int = 0, zero_stage: int | None = None) -> dict:
     """``EPOCHS`` epochs of the loop on this process (a DDP rank where a process group is up); returns the change
     of the trainable weights, the rewards, and the wrapped module's stats at each optimizer step."""
     base = backbones.tiny("sd3", seed=0, dtype=DTYPE)
@@ -93,11 +93,15 @@ def run(use_leancompile: bool, where: str = "before prepare", seed: int = 0) -> 
     params = [p for p in transformer.parameters() if p.requires_grad]
     # Plain SGD: Adam's first steps are sign-like and would hide a gradient's difference.
     optimizer = torch.optim.SGD(params, lr=0.5)
-    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=ACCUMULATION)
+    plugin = None
+    if zero_stage is not None:  # FlowGRPO's multi-GPU config: DeepSpeed through accelerate
+        from accelerate.utils import DeepSpeedPlugin
+        plugin = DeepSpeedPlugin(zero_stage=zero_stage, gradient_accumulation_steps=ACCUMULATION)
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=ACCUMULATION, deepspeed_plugin=plugin)
     transformer, optimizer = accelerator.prepare(transformer, optimizer)
     if use_leancompile and where == "after prepare":
         transformer = inner = leancompile.wrap(transformer)
-    ddp = isinstance(transformer, torch.nn.parallel.DistributedDataParallel)
+    ddp = transformer is not inner  # DDP or DeepSpeed's engine around the module: FlowGRPO's .module
     stats = []
     if use_leancompile:
         optimizer.optimizer.register_step_pre_hook(lambda *_: stats.append(inner.stats()))
@@ -198,3 +202,20 @@ def test_flowgrpo_style_loop_under_ddp_serves_the_update_before_each_first_step(
     for rank in ranks:
         check(rank[False], rank[True])
     assert torch.equal(ranks[0][True]["change"], ranks[1][True]["change"])  # DDP keeps the ranks in sync
+
+
+def _deepspeed_worker(rank, port, out):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    torch.set_num_threads(1)
+    results = {use: run(use, zero_stage=2) for use in (False, True)}
+    torch.save(results, os.path.join(out, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+def test_flowgrpo_style_loop_under_deepspeed_zero2_serves_the_update_before_each_first_step(tmp_path):
+    """ZeRO-2 through accelerate (DeepSpeed's CPU accelerator, gloo): it shards gradients and optimizer states,
+    not the parameters the calls read, so the calls are served as without it."""
+    pytest.importorskip("deepspeed")
+    (rank,) = spawn_ranks(_deepspeed_worker, 1, tmp_path)
+    check(rank[False], rank[True])
