@@ -18,6 +18,7 @@ cotangent outside it recomputes: :mod:`leancompile.runtime.reweight`).
 from __future__ import annotations
 
 import functools
+import inspect
 import warnings
 import weakref
 from collections import Counter
@@ -260,7 +261,7 @@ class _Runtime:
                 if torch.is_grad_enabled():
                     self._note("recomputed", args, self.refusal, "unsupported")
                 return self._natively(module, args, kwargs)
-            args, kwargs = bound(module.forward, args, kwargs)
+            args, kwargs = bound(_named_forward(module), args, kwargs)
             if self._descends(module, args, kwargs):
                 return self._natively(module, args, kwargs)
             log = self.engine.log
@@ -309,6 +310,11 @@ class _Runtime:
             if self.refusal is None:
                 self.engine.release()
                 self._build(module)
+            else:  # wrapped before FSDP1 flattened it: say so now, and watch the steps over its new parameters
+                self.engine.release()
+                self.parameters = [id(p) for p in module.parameters()]
+                self.trainable = [p for p in module.parameters() if p.requires_grad]
+                warnings.warn(f"leancompile.wrap: {self.refusal}", NothingServedWarning, stacklevel=4)
 
     def _descends(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> bool:
         """Whether calls like this one are served by a submodule: at the first such call without grad, where the
@@ -342,6 +348,11 @@ class _Runtime:
             reasons = Counter(stats["recompute_reasons"]) + Counter(below["recompute_reasons"])
             stats = {k: stats.get(k, 0) + v for k, v in below.items() if isinstance(v, (int, float))}
             stats.update(recompute_reasons=dict(reasons), served_by=self.below[0])
+        refused = [r for r in self.notes if r.action == "recomputed"]  # run natively by the wrapper (FSDP1)
+        if refused:
+            stats["recomputed_calls"] += len(refused)
+            stats["recomputed_rows"] += sum(r.rows for r in refused)
+            stats["recompute_reasons"] = dict(Counter(stats["recompute_reasons"]) + Counter(r.kind for r in refused))
         self.notes = []
         return stats
 
@@ -377,6 +388,26 @@ class _Runtime:
         if self.strict:
             raise NothingServedError(message)
         warnings.warn(message, NothingServedWarning, stacklevel=4)
+
+
+def _named_forward(module: torch.nn.Module):
+    """The forward whose signature names the call's arguments: a pass-through ``forward(*args, **kwargs)`` (peft's
+    ``PeftModel``, DDP) binds as the module it hands them to, so that ``x=None`` passed and omitted are one call."""
+    seen = set()
+    while id(module) not in seen:
+        seen.add(id(module))
+        forward = module.forward
+        try:
+            kinds = {p.kind for p in inspect.signature(forward).parameters.values()}
+        except (TypeError, ValueError):
+            return forward
+        if not kinds <= {inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD}:
+            return forward
+        inner = module.get_base_model() if hasattr(module, "get_base_model") else getattr(module, "module", None)
+        if not isinstance(inner, torch.nn.Module):
+            return forward
+        module = inner
+    return module.forward
 
 
 def _rows(args: tuple) -> int:
