@@ -5,7 +5,6 @@ recompute, exact, and the reason names that submodule."""
 import copy
 import os
 
-import pytest
 import torch
 import torch.distributed as dist
 
@@ -74,6 +73,8 @@ def test_sampled_in_eval_and_trained_in_train_every_block_call_is_served():
     # Four update calls, each with every block served
     assert stats["served_calls"] == 2 * STEPS * len(transformer_blocks(wrapped)), stats
     assert stats["recomputed_calls"] == 0, stats
+    # Each block's engine met its own flags' difference and found its one-row programs in both modes equal
+    assert all(engine._same and all(engine._same.values()) for engine in wrapped.engine.engines)
 
 
 def test_with_dropout_outside_the_blocks_the_update_recomputes_and_says_where():
@@ -152,23 +153,17 @@ def _fsdp_worker(rank, port, out):
     dist.destroy_process_group()
 
 
-@pytest.fixture(scope="module")
-def fsdp_ranks(tmp_path_factory):
-    return spawn_ranks(_fsdp_worker, WORLD, tmp_path_factory.mktemp("modes_ranks"))
-
-
-def test_under_fsdp2_sampled_in_eval_and_trained_in_train_serves_every_block_call(fsdp_ranks):
+def test_under_fsdp2_sampled_in_eval_and_trained_in_train_serves_every_block_call_and_with_dropout_recomputes(
+        tmp_path):
+    """The acceptance loop under FSDP2 on two gloo ranks, each rank's gradient shards against FSDP2 alone's (one
+    test: the ranks run once whatever the test workers)."""
     blocks = len(transformer_blocks(_model()))
-    for rank in fsdp_ranks:
+    for rank in spawn_ranks(_fsdp_worker, WORLD, tmp_path):
         native, (wrapped, stats, per_block) = rank[False, False][0], rank[False, True]
         assert per_block
         assert _relative(wrapped, native) <= 1e-10
         assert stats["served_calls"] == 2 * STEPS * blocks and stats["recomputed_calls"] == 0, stats
-
-
-def test_under_fsdp2_with_dropout_the_update_recomputes_exactly(fsdp_ranks):
-    for rank in fsdp_ranks:
-        native, (wrapped, stats, per_block) = rank[True, False][0], rank[True, True]
+        native, (wrapped, stats, per_block) = rank[True, False][0], rank[True, True]  # with dropout
         assert per_block
         assert _relative(wrapped, native) <= 1e-10
         assert stats["served_calls"] == 0 and stats["recomputed_calls"] > 0, stats

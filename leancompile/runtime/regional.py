@@ -19,6 +19,9 @@ call), so FSDP2's hooks run around it exactly as natively:
   size (a matrix-vector product at one row) round them differently from the rollout's; they are the same
   function of the same verified inputs and weights, so the block serves what Retain serves, exact in real
   arithmetic. A backbone call that is not verified runs every block natively, and the statistics say why.
+  Training flags may differ (a rollout in ``eval()``, an update in ``train()``) where both modes compute the same:
+  the module's forward traced in each mode on fake weights is one graph (see ``RegionalEngine._modes_differ``),
+  and each block's engine finds the block's one-row programs in both modes equal before it serves.
   A served block's backward runs after FSDP2's pre-backward gathered its weights:
   the block's one-row backward on the kept rows, returning the gradients of its parameters and of its inputs
   (the previous block's output), which FSDP2's post-backward reduce-scatters as it does native's.
@@ -463,8 +466,9 @@ class RegionalEngine:
 def _where_modes_differ(kept: torch.fx.GraphModule, now: torch.fx.GraphModule, fallback: str) -> str:
     """The submodule where the call's graph first departs from the kept call's, and the operator it runs there
     (``fallback``: where neither graph says)."""
+    node_of = lambda n: (n.op, n.target, str(n.args), str(n.kwargs))  # noqa: E731
     for theirs, mine in itertools.zip_longest(kept.graph.nodes, now.graph.nodes):
-        if theirs is None or mine is None or (theirs.op, theirs.target) != (mine.op, mine.target):
+        if theirs is None or mine is None or node_of(theirs) != node_of(mine):
             for node in (mine, theirs):
                 module = node.meta.get("custom", {}).get("module") if node is not None else None
                 if module is not None:
