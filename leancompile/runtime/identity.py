@@ -69,7 +69,9 @@ class CallState:
             return (f"{changed} of {len(self.versions)} parameters and buffers were written since the kept call (an "
                     f"optimizer step), {name} first: a call after it recomputes")
         if kind == TRAINING_FLAGS:
-            i = next(i for i, (a, b) in enumerate(zip(self.training, other.training)) if a != b)
+            changed = [i for i, (a, b) in enumerate(zip(self.training, other.training)) if a != b]
+            # A submodule that reads its flag where it changes the result, where one can be found
+            i = next((i for i in changed if _reads_its_flag(reader.modules[i])), changed[0])
             module = reader.modules[i]
             return (f"submodule {reader.module_names[i] or '(the module)'} ({type(module).__name__}) is in "
                     f"{'train' if other.training[i] else 'eval'} mode, the kept call ran it in "
@@ -121,6 +123,15 @@ class StateReader:
         if not tensors:
             return torch.zeros(0, device="cpu")
         return torch.stack(torch._foreach_norm(tensors))
+
+
+def _reads_its_flag(module: torch.nn.Module) -> bool:
+    """Whether ``module``'s own forward reads ``self.training`` (dropout, batch norm), a dropout only with p > 0
+    (at p = 0 both modes return its input)."""
+    if isinstance(module, torch.nn.modules.dropout._DropoutNd) and module.p == 0:
+        return False
+    forward = getattr(type(module).forward, "__code__", None)
+    return forward is not None and "training" in forward.co_names
 
 
 def _first(names: list[str], a: tuple, b: tuple) -> str:

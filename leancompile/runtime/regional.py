@@ -19,6 +19,9 @@ call), so FSDP2's hooks run around it exactly as natively:
   size (a matrix-vector product at one row) round them differently from the rollout's; they are the same
   function of the same verified inputs and weights, so the block serves what Retain serves, exact in real
   arithmetic. A backbone call that is not verified runs every block natively, and the statistics say why.
+  Training flags may differ (a rollout in ``eval()``, an update in ``train()``) where both modes compute the same:
+  the module's forward traced in each mode on fake weights is one graph (see ``RegionalEngine._modes_differ``),
+  and each block's engine finds the block's one-row programs in both modes equal before it serves.
   A served block's backward runs after FSDP2's pre-backward gathered its weights:
   the block's one-row backward on the kept rows, returning the gradients of its parameters and of its inputs
   (the previous block's output), which FSDP2's post-backward reduce-scatters as it does native's.
@@ -26,22 +29,26 @@ call), so FSDP2's hooks run around it exactly as natively:
 from __future__ import annotations
 
 import contextlib
+import itertools
 from collections.abc import Callable
 from dataclasses import replace
 
 import torch
 import torch.distributed as dist
+import torch.fx.traceback as fx_traceback
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.fsdp import FSDPModule
+from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils import _pytree as pytree
 
-from ..backbones.plain import plain_copy
+from ..backbones.plain import plain_copy, with_fake_weights
 from ..passes.pipeline import PassHistory
 from .calls import Call, bound, output_layout
 from .engine import KeptCall, Match, ReuseEngine, ScheduleRuntime, StepLog
-from .identity import StateReader, row_keys
+from .identity import TRAINING_FLAGS, CallState, StateReader, row_keys
 from .reweight import Reweight
 from .reweight_blocks import BlockProvisional, Coefficients, Heads
-from .rowwise import RowwiseBackbone
+from .rowwise import RowwiseBackbone, _compiling
 
 
 _IDLE = (None, "no backbone call is running", "arguments")
@@ -92,6 +99,10 @@ class RegionalEngine:
         self._idle: frozenset[int] = frozenset()  # blocks the heads run without grad (see provisional)
         self._answered: list[torch.nn.Module] = []  # blocks the heads answer with kept outputs (see provisional)
         self._sharded = any(isinstance(block, FSDPModule) for block in self.blocks)  # by FSDP2
+        # (kept call's compile key, call's compile key) -> why the two training modes compute differently (None:
+        # they compute the same), and each mode's traced forward by compile key (see _modes_differ)
+        self._modes: dict[tuple, str | None] = {}
+        self._mode_graphs: dict[tuple, torch.fx.GraphModule] = {}
         self._share_log()
         self.schedule = self.engines[0].schedule
         if not self.schedule.input_gradients:
@@ -205,9 +216,16 @@ class RegionalEngine:
                      and all(torch.equal(mine, theirs) for mine, theirs in zip(call.whole_inputs, kept.whole))]
             if not found:
                 return (None, f"the backbone call's row {i}: no kept call has these inputs", "inputs"), []
-            differences = [kept.state.difference(state) for kept, _ in found]
+            differences, why = [], None
+            for kept, _ in found:
+                difference = kept.state.difference(state)
+                if difference == TRAINING_FLAGS:  # a rollout in eval(), an update in train(): the same where both
+                    why = self._modes_differ(kept.state, state, call)  # modes compute the same
+                    difference = None if why is None else difference
+                differences.append(difference)
             if None not in differences:
-                return (None, f"the backbone call differs from the kept call with these inputs in {differences[0]}",
+                return (None, why if differences[0] == TRAINING_FLAGS else
+                        f"the backbone call differs from the kept call with these inputs in {differences[0]}",
                         differences[0]), []
             places.append([place for place, difference in zip(found, differences) if difference is None])
         if not self._checked and not self.answering_with_leaves_now:  # once per update phase: writes through .data
@@ -217,6 +235,73 @@ class RegionalEngine:
                 self._forget()
                 return (None, "a weight was written in place (through .data) since it was kept", "weights"), []
         return (call.row_inputs, "", ""), places
+
+    def _modes_differ(self, kept: CallState, state: CallState, call: Call) -> str | None:
+        """Why the module computes differently under ``state``'s training flags than under the kept call's (None:
+        it computes the same): its forward traced in each mode, the blocks included, on fake weights (nothing is
+        gathered), and the two graphs compared. A submodule that reads its flag where it changes the result
+        (dropout with p > 0 draws random numbers in train mode, batch norm uses the batch's statistics) gives two
+        graphs; one that reads it to no effect (dropout with p = 0) gives one. Each block's engine then compares
+        its own one-row programs in both modes before it serves (see ReuseEngine._same_program)."""
+        pair = (kept.compile_key, state.compile_key)
+        if pair not in self._modes:
+            try:
+                theirs, mine = (self._traced_in(s, call) for s in (kept, state))
+            except Exception as error:  # what does not trace cannot be shown to compute the same
+                self._modes[pair] = (f"the module's forward does not trace in both training modes "
+                                     f"({type(error).__name__}: {error}), so it cannot be shown to compute the same")
+            else:
+                self._modes[pair] = None if mine.code == theirs.code else _where_modes_differ(
+                    theirs, mine, kept.explain(state, self.reader))
+        return self._modes[pair]
+
+    def _traced_in(self, state: CallState, call: Call) -> torch.fx.GraphModule:
+        """The module's forward on one row of ``call`` with every submodule's training flag as in ``state`` (read
+        in ``named_modules()`` order, as StateReader reads them), traced on a hook-free copy with fake weights;
+        each node's meta names the submodule it ran in (``custom["module"]``)."""
+        key = state.compile_key
+        if key in self._mode_graphs:
+            return self._mode_graphs[key]
+        plain = with_fake_weights(self.backbone, call.device)
+        named = list(plain.named_modules())
+        if len(named) != len(state.training):
+            raise ValueError("the module's tree changed since its flags were read")
+        inside: list[str] = []
+
+        def enter(name):
+            def hook(*_):
+                inside.append(name)
+                fx_traceback.current_meta["custom"] = {"module": name}
+            return hook
+
+        def leave(*_):
+            inside.pop()
+            if inside:
+                fx_traceback.current_meta["custom"] = {"module": inside[-1]}
+            else:
+                fx_traceback.current_meta.pop("custom", None)
+
+        for (name, module), flag in zip(named, state.training):
+            module.training = flag  # the copy's own flag: the module's stays
+            module.register_forward_pre_hook(enter(name))
+            module.register_forward_hook(leave)
+        weights = dict(plain.named_parameters())
+        mode = next((p.fake_mode for p in weights.values()), None) or FakeTensorMode(allow_non_fake_inputs=True)
+        # Fake copies of the buffers too: batch norm in train mode writes its running statistics
+        buffers = {n: mode.from_tensor(b) for n, b in plain.named_buffers()}
+        data = [mode.from_tensor(t[:1].detach() if row else t.detach())
+                for t, row in zip(call.tensors, call.tensor_rows)]
+
+        def forward(weights, buffers, *tensors):
+            args, kwargs = call.with_tensors(tensors)
+            output = torch.func.functional_call(plain, (weights, buffers), args, kwargs)
+            return [leaf for leaf in pytree.tree_leaves(output) if isinstance(leaf, torch.Tensor)]
+
+        enabled, dtype = state.autocast
+        with mode, torch.no_grad(), _compiling(), fx_traceback.preserve_node_meta(), \
+                torch.autocast(call.device.type, dtype=dtype, enabled=enabled):
+            self._mode_graphs[key] = make_fx(forward)(weights, buffers, *data)
+        return self._mode_graphs[key]
 
     def _forget(self) -> None:
         """Drop every kept call: made with other weights, they can never be matched again."""
@@ -376,6 +461,21 @@ class RegionalEngine:
             stats[name] = sum(s[name] for s in blocks)
         self._share_log()
         return stats
+
+
+def _where_modes_differ(kept: torch.fx.GraphModule, now: torch.fx.GraphModule, fallback: str) -> str:
+    """The submodule where the call's graph first departs from the kept call's, and the operator it runs there
+    (``fallback``: where neither graph says)."""
+    node_of = lambda n: (n.op, n.target, str(n.args), str(n.kwargs))  # noqa: E731
+    for theirs, mine in itertools.zip_longest(kept.graph.nodes, now.graph.nodes):
+        if theirs is None or mine is None or node_of(theirs) != node_of(mine):
+            for node in (mine, theirs):
+                module = node.meta.get("custom", {}).get("module") if node is not None else None
+                if module is not None:
+                    return (f"submodule {module or '(the module)'} computes differently in the call's training mode "
+                            f"than in the kept call's: it runs {node.target} in one and not the other")
+            break
+    return fallback
 
 
 def _hooks_of(block: torch.nn.Module) -> tuple | None:
