@@ -85,6 +85,7 @@ class RegionalEngine:
         self._routes = [_ByName(engine, type(block).forward) for block, engine in zip(self.blocks, self.engines)]
         self.reader = StateReader(backbone)
         self._calls: list[KeptCall] = []  # the kept backbone calls (inputs and state; the blocks keep the rest)
+        self._stale: str | None = None  # why the kept calls were last freed, where the weights changed
         self._index: dict[tuple, list[tuple[KeptCall, int]]] = {}
         self._current: tuple = _IDLE
         self._keeping = self._passing = False
@@ -177,7 +178,9 @@ class RegionalEngine:
             return (None, f"not reusable: {call.refusal}", "arguments"), None, None
         state = self.reader.read(call)
         if self._calls and self._calls[0].state.versions != state.versions:
+            stale = self._calls[0].state.explain(state, self.reader)
             self._forget()  # made with other weights: never matched again
+            self._stale = stale
         if self._keeping:
             return self._remember(call, state), None, None
         matched, places = self._match(call, state)
@@ -194,6 +197,7 @@ class RegionalEngine:
 
     def _remember(self, call: Call, state) -> tuple:
         """Keep the call's inputs and state (its blocks keep the rest)."""
+        self._stale = None
         if self._fingerprint is None:
             self._fingerprint = self.reader.fingerprint()
         self._checked = False  # the next update phase checks the fingerprint again
@@ -208,6 +212,8 @@ class RegionalEngine:
         """The call's rows when a kept call has them all (bitwise) in ``state``; else None and why. With them, per
         row, the kept rows in that state with its inputs."""
         if not self._calls:
+            if self._stale is not None:  # freed because the weights changed: that is the reason
+                return (None, f"the kept calls were freed: {self._stale}", "weights"), []
             return (None, "nothing kept", "nothing kept"), []
         places = []
         for i, digest in enumerate(row_keys(call.row_inputs)):
