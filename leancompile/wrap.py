@@ -23,10 +23,10 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp import FSDPModule
 
 from .cost.devices import free_memory
-from .backbones.families import FAMILIES
+from .backbones.families import family_of
+from .backbones.plain import fully_sharded
 from .passes.pipeline import PassHistory
 from .plan import Action, Schedule, StepAction
 from .runtime.bitwise import BitwiseRetain
@@ -213,7 +213,7 @@ def wrap(module: torch.nn.Module, schedule: str = "retain", memory_limit: int | 
                          f"schedule={schedule!r}")
     if per_block is not None and not isinstance(per_block, bool):
         raise ValueError(f"per_block must be True, False or None; got {per_block!r}")
-    sharded = any(isinstance(m, FSDPModule) for m in module.modules())
+    sharded = any(fully_sharded(m) for m in module.modules())
     if per_block is None:
         per_block = sharded
     runtime = BitwiseRetain() if bitwise else SCHEDULES[Schedule(schedule)].runtime()
@@ -226,7 +226,7 @@ def wrap(module: torch.nn.Module, schedule: str = "retain", memory_limit: int | 
         if not blocks:
             raise ValueError(f"per_block=True: {type(module).__name__} has no stack of identical blocks (an "
                              "nn.ModuleList of modules of one class); use per_block=False")
-        family = next((f for f in FAMILIES.values() for m in module.modules() if isinstance(m, f.model_class)), None)
+        family = family_of(module)
         engine = RegionalEngine(module, blocks, runtime.for_block, tune_matmuls, PassHistory(),
                                 shared=family.block_shared if family else (), call_shared=frozenset(shared))
     else:

@@ -1,7 +1,16 @@
 """A module's tree without the hooks that distributed wrappers add, for tracing."""
 from __future__ import annotations
 
+import sys
+
 import torch
+
+
+def fully_sharded(module: torch.nn.Module) -> bool:
+    """Whether FSDP2's ``fully_shard`` made ``module`` an ``FSDPModule``, without importing torch.distributed.fsdp
+    (a few tenths of a second, sympy included): while it is not imported, no module is sharded by it."""
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    return fsdp is not None and isinstance(module, fsdp.FSDPModule)
 
 
 def plain_copy(module: torch.nn.Module) -> torch.nn.Module:

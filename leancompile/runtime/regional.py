@@ -32,10 +32,9 @@ from dataclasses import replace
 
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp import FSDPModule
 from torch.utils import _pytree as pytree
 
-from ..backbones.plain import plain_copy
+from ..backbones.plain import fully_sharded, plain_copy
 from ..passes.pipeline import PassHistory
 from .calls import Call, output_layout
 from .engine import KeptCall, Match, ReuseEngine, ScheduleRuntime, StepLog
@@ -93,7 +92,7 @@ class RegionalEngine:
         self._values = ReuseEngine(backbone, self.engines[0].schedule, {}, shared=call_shared, native=self._natively)
         self._idle: frozenset[int] = frozenset()  # blocks the heads run without grad (see provisional)
         self._answered: list[torch.nn.Module] = []  # blocks the heads answer with kept outputs (see provisional)
-        self._sharded = any(isinstance(block, FSDPModule) for block in self.blocks)  # by FSDP2
+        self._sharded = any(fully_sharded(block) for block in self.blocks)  # by FSDP2
         self._share_log()
         self.schedule = self.engines[0].schedule
         if not self.schedule.input_gradients:
@@ -382,7 +381,7 @@ class RegionalEngine:
 
 def _hooks_of(block: torch.nn.Module) -> tuple | None:
     """FSDP2's forward hooks' handles on a block sharded by itself (None: none)."""
-    state = block._get_fsdp_state() if isinstance(block, FSDPModule) else None
+    state = block._get_fsdp_state() if fully_sharded(block) else None
     handles = (getattr(state, "_pre_forward_hook_handle", None), getattr(state, "_post_forward_hook_handle", None))
     return None if None in handles else handles
 
