@@ -1,6 +1,12 @@
-"""leancompile: removes the redundant backbone forward of GRPO post-training for flow transformers."""
+"""leancompile: removes the redundant backbone forward of GRPO post-training for flow transformers.
+
+``import leancompile`` loads torch and the library's own modules only: diffusers, peft, transformers,
+scikit-learn and matplotlib are imported by the features that use them (a diffusers backbone, LoRA, the demo).
+"""
 from .api import optimize
 from .plan import Plan, StepAction
 from .wrap import Wrapped, wrap
 
-__all__ = ["Plan", "StepAction", "Wrapped", "optimize", "wrap"]
+__version__ = "0.1.0"
+
+__all__ = ["Plan", "StepAction", "Wrapped", "__version__", "optimize", "wrap"]
