@@ -35,6 +35,7 @@ BENCH_MALLOC := MALLOC_MMAP_THRESHOLD_=4294967296 MALLOC_TRIM_THRESHOLD_=6871947
 bench: $(VENV)/.installed
 	$(BENCH_MALLOC) $(PY) -m benchmarks $(if $(FULL),--full,$(if $(GRID),--grid,))
 	$(BENCH_MALLOC) $(PY) -m pytest -n 0 -m timing tests/test_cost.py
+	$(PY) -m benchmarks.build_time
 
 bench-distributed: $(VENV)/.installed
 	$(BENCH_MALLOC) $(PY) -m benchmarks.distributed
