@@ -1,6 +1,6 @@
 """A synthetic task on any backbone: integer prompts with fixed random conditioning and a cheap reward.
 
-Used wherever a trainer is needed without the digits model: the ``explain`` command, the benchmark and the
+Used wherever a trainer is needed without the digits model: the ``tiny-report`` command, the benchmark and the
 tests. The reward is prompt-dependent and spread within every group, so advantages and gradients are non-zero.
 """
 from __future__ import annotations
