@@ -66,9 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.add_argument("--schedule", choices=REQUESTS, default="auto",
                       help="schedule passed to optimize(): auto (the planner's choice), native, or "
                       + "; ".join(f"{name} ({spec.summary})" for name, spec in SCHEDULES.items()) + " (default: auto)")
-    tiny.add_argument("--guidance-scale", type=float, default=1.0, metavar="SCALE",
-                      help="classifier-free guidance scale; above 1 every call runs on the doubled batch "
-                      "[uncond, cond] (default: 1, no guidance)")
+    _guidance_scale(tiny)
     tiny.add_argument("--out", default="tiny-report-out", metavar="DIR",
                       help="output folder (default: tiny-report-out)")
 
@@ -105,8 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="samples per rollout call and per update call (default: 1)")
     plan.add_argument("--samples", type=int, default=8, metavar="N",
                       help="samples per rank per GRPO step; the group spans the ranks (default: 8)")
-    plan.add_argument("--guidance-scale", type=float, default=1.0, metavar="SCALE",
-                      help="classifier-free guidance scale; above 1 every call runs on the doubled batch (default: 1)")
+    _guidance_scale(plan)
     plan.add_argument("--kl", type=float, default=0.0, metavar="BETA",
                       help="weight beta of the KL penalty to the reference model (default: 0)")
     plan.add_argument("--world-size", type=int, default=1, metavar="RANKS", help="data-parallel ranks (default: 1)")
@@ -118,6 +115,12 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--plot", default=None, metavar="PNG",
                       help="also write a chart of memory by component against the budget (needs matplotlib)")
     return parser
+
+
+def _guidance_scale(parser) -> None:
+    parser.add_argument("--guidance-scale", type=float, default=1.0, metavar="SCALE",
+                        help="classifier-free guidance scale; above 1 every call runs on the doubled batch "
+                        "[uncond, cond] (default: 1, no guidance)")
 
 
 def main(argv=None) -> int:
