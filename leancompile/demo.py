@@ -130,7 +130,7 @@ def main(args) -> int:
     # A 2.3 M-parameter model gains nothing from intra-op threads and suffers when the cores are shared.
     torch.set_num_threads(1)
     start = time.perf_counter()
-    metrics = run(args.out, steps=args.steps)
+    metrics = run(args.out, steps=args.grpo_steps)
     seconds = {}
     for name, rows in metrics["schedules"].items():
         first, last = rows[0], rows[-1]

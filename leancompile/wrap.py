@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import sys
 import warnings
 import weakref
 from collections import Counter
@@ -27,7 +28,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp import FlatParameter, FSDPModule, FullyShardedDataParallel
 from torch.nn.modules.module import (register_module_buffer_registration_hook,
                                      register_module_module_registration_hook,
                                      register_module_parameter_registration_hook)
@@ -35,8 +35,8 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils import _pytree as pytree
 
 from .cost.devices import free_memory
-from .backbones.families import FAMILIES
-from .backbones.plain import WRAPPED_CLASS
+from .backbones.families import family_of
+from .backbones.plain import WRAPPED_CLASS, fully_sharded
 from .passes.pipeline import PassHistory
 from .plan import Action, Schedule, StepAction
 from .runtime.bitwise import BitwiseRetain
@@ -427,8 +427,9 @@ def _largest_trainable_child(module: torch.nn.Module) -> tuple[str, torch.nn.Mod
 
 def _framework_refusal(module: torch.nn.Module) -> str | None:
     """Why a framework that manages the module's parameters itself keeps it from being served (None: none does)."""
-    if any(isinstance(m, FullyShardedDataParallel) for m in module.modules()) or any(
-            isinstance(p, FlatParameter) for p in module.parameters()):
+    fsdp = sys.modules.get("torch.distributed.fsdp")  # not imported: nothing is sharded by it
+    if fsdp is not None and (any(isinstance(m, fsdp.FullyShardedDataParallel) for m in module.modules()) or any(
+            isinstance(p, fsdp.FlatParameter) for p in module.parameters())):
         return ("FSDP1 (FullyShardedDataParallel) holds the module's parameters as flat shards it swaps in and out "
                 "around each call, which the engine cannot verify; it runs natively. Shard with FSDP2's "
                 "fully_shard (torch.distributed.fsdp) to be served per block")
@@ -547,7 +548,7 @@ def _engine(module: torch.nn.Module, schedule: str, memory_limit: int | None, sh
     auto = schedule == AUTO
     if auto:  # Retain's runtime: a call kept past the memory limit waits in host memory (offload)
         schedule = str(Schedule.RETAIN)
-    sharded = any(isinstance(m, FSDPModule) for m in module.modules())
+    sharded = any(fully_sharded(m) for m in module.modules())
     if per_block is None:
         per_block = sharded
     runtime = BitwiseRetain() if bitwise else SCHEDULES[Schedule(schedule)].runtime()
@@ -561,7 +562,7 @@ def _engine(module: torch.nn.Module, schedule: str, memory_limit: int | None, sh
         if not blocks:
             raise ValueError(f"per_block=True: {type(module).__name__} has no stack of identical blocks (an "
                              "nn.ModuleList of modules of one class); use per_block=False")
-        family = next((f for f in FAMILIES.values() for m in module.modules() if isinstance(m, f.model_class)), None)
+        family = family_of(module)
         engine = RegionalEngine(module, blocks, runtime.for_block, tune_matmuls, PassHistory(),
                                 shared=family.block_shared if family else (), call_shared=frozenset(shared))
     else:

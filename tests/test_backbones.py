@@ -1,5 +1,3 @@
-import time
-
 import pytest
 import torch
 from peft import LoraConfig
@@ -308,13 +306,10 @@ def test_dummy_conditioning(family):
     ],
 )
 def test_real_builds_on_meta(name, lo, hi):
-    t0 = time.perf_counter()
+    # how long building takes is measured by `make bench` (benchmarks/build_time.py)
     bb = real(name)
-    elapsed = time.perf_counter() - t0
     n = sum(p.numel() for p in bb.parameters())
-    print(f"{name}: {n / 1e9:.3f}e9 params, built in {elapsed:.2f}s")
     assert lo < n < hi
-    assert elapsed < 10
     p = next(bb.parameters())
     assert p.device.type == "meta" and p.dtype == torch.bfloat16
     spec = load_config(name)
@@ -349,10 +344,8 @@ def test_real_forward_on_meta(name, kwargs, shape):
     sigma = torch.empty(1, device="meta", dtype=torch.bfloat16)
     cond = bb.dummy_conditioning(1)
     assert cond.text.device.type == "meta"
-    t0 = time.perf_counter()
     with torch.no_grad():
         y = bb(x, sigma, cond)
-    assert time.perf_counter() - t0 < 20
     assert y.shape == shape and y.device.type == "meta" and y.dtype == torch.bfloat16
 
 

@@ -241,9 +241,9 @@ def test_under_that_budget_auto_is_no_slower_than_the_fastest_schedule_that_fits
 
 
 def test_leancompile_plan_prints_a_table_and_json(capsys):
-    assert cli(["plan", "--model", "wan2.1-1.3b", "--gpu", "rtx-4090", "--resolution", "256", "--frames", "9",
-                "--trainer", "flowgrpo", "--steps", "10", "--timestep-fraction", "0.99", "--cfg", "4.5",
-                "--samples", "4", "--json"]) == 0
+    assert cli(["plan", "--model", "wan2.1-1.3b", "--device", "rtx-4090", "--resolution", "256", "--frames", "9",
+                "--trainer", "flowgrpo", "--denoising-steps", "10", "--timestep-fraction", "0.99",
+                "--guidance-scale", "4.5", "--samples", "4", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert set(out["schedules"]) == {"native", *map(str, SCHEDULES), "auto"}
     for estimate in out["schedules"].values():
@@ -251,7 +251,7 @@ def test_leancompile_plan_prints_a_table_and_json(capsys):
     auto = out["schedules"]["auto"]
     assert auto["fits"] and auto["peak_bytes"] <= out["budget_bytes"]
     assert auto["speedup"] >= max(e["speedup"] for e in out["schedules"].values() if e["fits"]) - 1e-9
-    assert cli(["plan", "--model", "wan2.1-1.3b", "--gpu", "h1000"]) == 2
+    assert cli(["plan", "--model", "wan2.1-1.3b", "--device", "h1000"]) == 2
     assert "unknown device 'h1000'" in capsys.readouterr().err
 
 

@@ -4,7 +4,7 @@ from leancompile import cli
 
 
 def test_demo_writes_metrics_curve_and_grids(tmp_path):
-    assert cli.main(["demo", "--steps", "2", "--out", str(tmp_path)]) == 0
+    assert cli.main(["demo", "--grpo-steps", "2", "--out", str(tmp_path)]) == 0
     metrics = json.loads((tmp_path / "metrics.json").read_text())
     assert metrics["schedules"].keys() == {"native", "retain"}
     native, retain = metrics["schedules"]["native"], metrics["schedules"]["retain"]

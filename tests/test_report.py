@@ -88,8 +88,8 @@ def test_the_native_schedule_inserts_and_removes_nothing(tmp_path):
     assert not any(report.ROLES[role][0] in drawings for role in report.HIGHLIGHTED)
 
 
-def test_explain_command_prints_the_plan_and_writes_the_report(tmp_path, capsys):
-    assert cli.main(["explain", "--schedule", "reweight", "--out", str(tmp_path)]) == 0
+def test_tiny_report_command_prints_the_plan_and_writes_the_report(tmp_path, capsys):
+    assert cli.main(["tiny-report", "--schedule", "reweight", "--out", str(tmp_path)]) == 0
     printed = capsys.readouterr().out
     assert "leancompile plan: schedule=reweight (requested reweight)" in printed and "reuse:" in printed
     page = (tmp_path / "report.html").read_text()

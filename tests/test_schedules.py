@@ -30,7 +30,7 @@ def test_every_registered_schedule_is_offered_everywhere_it_could_run(capsys):
     assert set(names) <= set(REQUESTS) and set(WRAP_SCHEDULES) == {"auto", *names}
     for name in names:  # the command line's choices come from the registry too
         with pytest.raises(SystemExit):
-            cli(["explain", "--schedule", name, "--help"])
+            cli(["tiny-report", "--schedule", name, "--help"])
     assert "invalid choice" not in capsys.readouterr().err
     cost = optimize(_trainer()).plan.cost
     assert [e.schedule for e in cost.estimates] == ["native", *names, "auto"]

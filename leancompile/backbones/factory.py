@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 from .backbone import Backbone, build
+from .families import FAMILIES
 from .families import family as family_spec
 
 _CONFIG_DIR = Path(__file__).parent / "configs"
@@ -53,10 +54,39 @@ def tiny(family: str, seed: int = 0, dtype=torch.float32, **overrides) -> Backbo
 
 
 def load_config(name: str) -> dict:
-    """The JSON shipped for a real model: ``source``, ``family``, ``class``, ``config``, ``geometry``."""
-    if name not in REAL_MODELS:
-        raise ValueError(f"name: expected one of {REAL_MODELS}, got {name!r}")
-    return json.loads((_CONFIG_DIR / f"{name}.json").read_text())
+    """A real model's record: ``source``, ``family``, ``class``, ``config``, ``geometry``. ``name`` is a shipped
+    model (``REAL_MODELS``) or the path of a diffusers ``config.json`` (or of the folder holding it)."""
+    if name in REAL_MODELS:
+        return json.loads((_CONFIG_DIR / f"{name}.json").read_text())
+    path = Path(name)
+    if path.suffix == ".json" or path.is_dir():
+        return diffusers_config(path)
+    raise ValueError(f"name: expected one of {REAL_MODELS} or the path of a diffusers config.json, got {name!r}")
+
+
+def diffusers_config(path: str | Path) -> dict:
+    """The record of a model described by a diffusers ``config.json`` (the one ``save_pretrained`` writes beside
+    the weights; ``_class_name`` names the family's class). Its geometry (VAE factors, text length and encoders)
+    is the shipped model's of the same family, its latent channels and text width read from the config."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / "config.json"
+    raw = json.loads(path.read_text())
+    class_name = raw.get("_class_name")
+    spec = next((f for f in FAMILIES.values() if f.class_name == class_name), None)
+    if spec is None:
+        known = ", ".join(f.class_name for f in FAMILIES.values())
+        raise ValueError(f"{path}: _class_name {class_name!r} is not a supported model class; supported: {known}")
+    config = {k: v for k, v in raw.items() if not k.startswith("_")}
+    shipped = next(load_config(m) for m in REAL_MODELS if load_config(m)["family"] == spec.name)
+    missing = [k for k in ("in_channels", spec.text_width) if k not in config]
+    if missing:
+        raise ValueError(f"{path}: the config lacks {missing}")
+    geometry = dict(shipped["geometry"], latent_channels=config["in_channels"] // spec.packing,
+                    text_dim=config[spec.text_width])
+    if spec.pooled:
+        geometry["pooled_dim"] = config.get("pooled_projection_dim", geometry["pooled_dim"])
+    return {"source": str(path), "family": spec.name, "class": class_name, "config": config, "geometry": geometry}
 
 
 def real(
@@ -65,11 +95,13 @@ def real(
     frames: int = 81,
     device="meta",
     dtype=torch.bfloat16,
+    text_len: int | None = None,
 ) -> Backbone:
     """A real model's architecture (randomly initialised; on the meta device by default).
 
-    ``resolution`` is in pixels, ``(height, width)`` or a square side; ``frames`` is the video
-    length in frames (wan only). Weights are not loaded.
+    ``name`` is a shipped model or a diffusers ``config.json`` (:func:`load_config`). ``resolution`` is in
+    pixels, ``(height, width)`` or a square side; ``frames`` is the video length in frames (wan only);
+    ``text_len`` the text conditioning's tokens (default: the record's). Weights are not loaded.
     """
     spec = load_config(name)
     family, config, geo = spec["family"], spec["config"], spec["geometry"]
@@ -90,7 +122,7 @@ def real(
         family,
         config,
         latent,
-        (geo["text_len"], geo["text_dim"]),
+        (text_len or geo["text_len"], geo["text_dim"]),
         geo["pooled_dim"],
         device=device,
         dtype=dtype,

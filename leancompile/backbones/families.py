@@ -2,14 +2,18 @@
 
 A new family is one :class:`Family` here (its model class, how it is called, its LoRA targets, its latent layout
 and a tiny config) plus, for planning at full size, a JSON config of a published model in ``configs/``.
+
+The records name their diffusers class rather than import it: diffusers is imported when a model is built, not
+when leancompile is (``pip install leancompile[diffusers]``).
 """
 from __future__ import annotations
 
+import importlib
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
-from diffusers import FluxTransformer2DModel, SD3Transformer2DModel, WanTransformer3DModel
 
 # peft matches a suffix as ``name == s or name.endswith("." + s)``.
 _ATTENTION = ("to_q", "to_k", "to_v", "to_out.0")
@@ -22,7 +26,7 @@ class Family:
     """A diffusers flow transformer behind the ``(x, sigma, cond) -> velocity`` call."""
 
     name: str
-    model_class: type
+    class_name: str  # the diffusers class, imported on first use (``model_class``)
     call: Callable  # (model, x, sigma, text, pooled, guidance) -> velocity shaped like x
     lora_targets: tuple[str, ...]  # module-name suffixes for peft's ``target_modules``
     video: bool  # latents (C, F, H, W) rather than (C, H, W)
@@ -33,6 +37,16 @@ class Family:
     block_shared: tuple[str, ...] = ()
     tiny: dict = field(default_factory=dict)  # a CPU-sized config with every structural feature of the real one
     tiny_geometry: dict = field(default_factory=dict)  # latent sizes and text length of the tiny model
+
+    @property
+    def model_class(self) -> type:
+        """The diffusers model class (imports diffusers)."""
+        try:
+            diffusers = importlib.import_module("diffusers")
+        except ImportError as error:
+            raise ImportError(f"the {self.name} backbone needs diffusers: pip install 'leancompile[diffusers]'") \
+                from error
+        return getattr(diffusers, self.class_name)
 
     @property
     def latent_rank(self) -> int:
@@ -83,7 +97,7 @@ def _video_tokens(config, latent, text_len) -> int:
 
 
 FLUX = Family(
-    "flux", FluxTransformer2DModel, _call_flux,
+    "flux", "FluxTransformer2DModel", _call_flux,
     # Single-stream blocks fuse the MLP input into ``proj_mlp`` and the attention/MLP output into ``proj_out``; the
     # suffix also adapts the model's final ``proj_out``.
     _ATTENTION + _JOINT + ("proj_mlp", "proj_out"),
@@ -96,7 +110,7 @@ FLUX = Family(
     tiny_geometry=dict(height=8, width=8, text_len=8),
 )
 SD3 = Family(
-    "sd3", SD3Transformer2DModel, _call_sd3, _ATTENTION + _JOINT,
+    "sd3", "SD3Transformer2DModel", _call_sd3, _ATTENTION + _JOINT,
     video=False, packing=1, text_width="joint_attention_dim", tokens=_image_tokens,
     tiny=dict(sample_size=8, patch_size=2, in_channels=4, num_layers=2, attention_head_dim=16,
               num_attention_heads=2, joint_attention_dim=32, caption_projection_dim=32, pooled_projection_dim=16,
@@ -104,7 +118,7 @@ SD3 = Family(
     tiny_geometry=dict(height=8, width=8, text_len=8),
 )
 WAN = Family(
-    "wan", WanTransformer3DModel, _call_wan, _ATTENTION + ("ffn.net.0.proj", "ffn.net.2"),
+    "wan", "WanTransformer3DModel", _call_wan, _ATTENTION + ("ffn.net.0.proj", "ffn.net.2"),
     video=True, packing=1, text_width="text_dim", tokens=_video_tokens, block_shared=("rotary_emb",),
     tiny=dict(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=16, in_channels=4, out_channels=4,
               text_dim=32, freq_dim=32, ffn_dim=64, num_layers=2, cross_attn_norm=True,
@@ -120,3 +134,12 @@ def family(name: str) -> Family:
     if name not in FAMILIES:
         raise ValueError(f"family: expected one of {sorted(FAMILIES)}, got {name!r}")
     return FAMILIES[name]
+
+
+def family_of(module: torch.nn.Module) -> Family | None:
+    """The family of the first of ``module``'s submodules that is a model of a known family, or None.
+
+    Without importing diffusers: while it is not imported, no module can be one of its models."""
+    if "diffusers" not in sys.modules:
+        return None
+    return next((f for f in FAMILIES.values() for m in module.modules() if isinstance(m, f.model_class)), None)

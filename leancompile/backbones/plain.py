@@ -1,11 +1,20 @@
 """A module's tree without the hooks that distributed wrappers add, for tracing."""
 from __future__ import annotations
 
+import sys
+
 import torch
 
 
 # Set on the classes leancompile.wrap generates (its runtime lives in the module's ``_leancompile_*`` attributes).
 WRAPPED_CLASS = "_leancompile_wrapped_class"
+
+
+def fully_sharded(module: torch.nn.Module) -> bool:
+    """Whether FSDP2's ``fully_shard`` made ``module`` an ``FSDPModule``, without importing torch.distributed.fsdp
+    (a few tenths of a second, sympy included): while it is not imported, no module is sharded by it."""
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    return fsdp is not None and isinstance(module, fsdp.FSDPModule)
 
 
 def plain_copy(module: torch.nn.Module) -> torch.nn.Module:

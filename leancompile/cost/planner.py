@@ -17,19 +17,21 @@ they fit, one step partially with what is left, and offloads or recomputes the r
 """
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
-import sympy
 import torch
 
 from ..plan import Action, Refusal, Schedule, StepAction
 from .devices import Device, GiB
 from .profile import PARTIAL_BUDGETS, CallProfile
 
-# Symbols of the memory model.
-ROWS, TOKENS, STEPS, WORLD = sympy.symbols("rows tokens retained_steps world", positive=True)
+if TYPE_CHECKING:
+    import sympy
+
 MARGIN = 0.9  # of the device's free memory: allocator fragmentation and the CUDA context need the rest
 _SMALLEST_PARTIAL = 0.05  # a partial retention below this saves too little of a forward to be worth a compile
 AUTO = "auto"  # the planner's choice, an estimate beside the schedules'
@@ -142,8 +144,18 @@ def format_bytes(n: float) -> str:
 
 # ------------------------------------------------------------------------------------------------ memory model
 
+@functools.cache
+def _memory_model():
+    """sympy and the memory model's symbols: rows, tokens, retained steps, world size. sympy is imported by the
+    first plan, not with leancompile (its import takes a fifth of a second)."""
+    import sympy
+
+    return (sympy, *sympy.symbols("rows tokens retained_steps world", positive=True))
+
+
 def static_memory(s: Scenario) -> dict[str, sympy.Expr]:
     """What every schedule holds: weights, gradients, optimizer moments, EMA and the KL reference."""
+    sympy, _, _, _, WORLD = _memory_model()
     cfg = s.config
     shard = WORLD if s.sharding == "fsdp" else 1
     frozen = s.total_params - s.trainable_params
@@ -161,6 +173,7 @@ def activations_per_row(s: Scenario, per_block: bool = False) -> sympy.Expr:
     """Bytes one row of one retained call keeps, as a function of the tokens (linear: the attention kernels
     save per-token statistics, not the attention matrix). Per block (runtime.regional): what the blocks' own
     partitions save."""
+    sympy, _, TOKENS, _, _ = _memory_model()
     kept = s.profile.block_retained_bytes if per_block else s.profile.retained_bytes
     return sympy.Rational(kept, s.profile.tokens) * TOKENS
 
@@ -168,6 +181,7 @@ def activations_per_row(s: Scenario, per_block: bool = False) -> sympy.Expr:
 def call_memory(s: Scenario, checkpointing: bool, partition: bool = False) -> sympy.Expr:
     """The activations of one call in flight (rows = its batch): eager autograd's (the native update), the
     partition's (Reweight's provisional call), or under checkpointing the blocks' inputs and one block."""
+    sympy, ROWS, TOKENS, _, _ = _memory_model()
     if partition:
         return ROWS * activations_per_row(s)
     if not checkpointing:
@@ -245,6 +259,7 @@ def plan(s: Scenario, device: Device, budget: int | None = None, *,
     """Predict native and each schedule of ``estimators`` (the registry's, :mod:`leancompile.schedules`), and
     choose per trained step, on ``device`` within ``budget`` bytes (default: the device's free memory less a
     margin). A schedule the scenario refuses (``Scenario.refusals``) is predicted as not fitting, with the reason."""
+    _, ROWS, TOKENS, _, WORLD = _memory_model()
     budget = int(device.available * MARGIN) if budget is None else int(budget)
     if budget <= 0:
         raise ValueError(f"budget must be a positive number of bytes; got {budget}")
@@ -354,6 +369,7 @@ def estimate_reweight(m: StepModel) -> Estimate:
 def _reweight_at(m: StepModel, fraction: float) -> Estimate:
     """Reweight whose per-sample gradients cover ``fraction`` of the parameters (per block: the last blocks'; the
     first recompute in the update, and the heads run their forward again, without grad)."""
+    sympy, _, TOKENS, _, _ = _memory_model()
     s, g, cfg = m.scenario, m.geometry, m.scenario.config
     backwards = 1 + s.advantage_free  # one per-row backward per provisional cotangent
     buffer = s.trainable_params * s.trainable_bytes  # per-sample gradients are whole, also under FSDP2
@@ -484,6 +500,7 @@ def all_steps(kind: Action, steps: int) -> tuple[StepAction, ...]:
 
 def _limits(s: Scenario, g, base: int, budget: int, per_block: bool) -> tuple[tuple[str, str], ...]:
     """Feasibility boundaries of retaining whole steps, solved from the memory model."""
+    sympy, ROWS, TOKENS, STEPS, _ = _memory_model()
     held = g.retained_rows * activations_per_row(s, per_block)
     total = base + call_memory(s, bool(s.config.gradient_checkpointing)).subs(ROWS, g.update_rows) + STEPS * held
     steps = sympy.solve(sympy.Eq(total.subs(TOKENS, s.profile.tokens), budget), STEPS)

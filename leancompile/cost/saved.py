@@ -11,8 +11,6 @@ from dataclasses import dataclass
 
 import torch
 from torch._functorch import config as functorch_config
-from torch._functorch.aot_autograd import aot_function
-from torch._functorch.partitioners import min_cut_rematerialization_partition
 
 from ..backbones import Conditioning
 from ..backbones.checkpointing import without_checkpointing
@@ -56,7 +54,7 @@ def partition_saved_bytes(backbone, x, sigma, cond: Conditioning, memory_budget:
         graphs["forward"] = gm
         raise _Partitioned
 
-    compiled = aot_function(forward, fw_compiler=keep_forward, partition_fn=min_cut_rematerialization_partition)
+    compiled = _partitioning(forward, keep_forward)
     with without_checkpointing(backbone), functorch_config.patch(activation_memory_budget=memory_budget), \
             contextlib.suppress(_Partitioned):
         compiled(params, buffers, x, sigma, cond.text, cond.pooled)
@@ -89,10 +87,19 @@ def block_saved_bytes(block, args: tuple, kwargs: dict, memory_budget: float = 1
     fixed = {id(t) for name in shared for t in torch.utils._pytree.tree_leaves(kwargs.get(name))}
     values = [leaves[i].detach().requires_grad_(leaves[i].is_floating_point() and id(leaves[i]) not in fixed)
               for i in tensors]
-    compiled = aot_function(forward, fw_compiler=keep_forward, partition_fn=min_cut_rematerialization_partition)
+    compiled = _partitioning(forward, keep_forward)
     with functorch_config.patch(activation_memory_budget=memory_budget), contextlib.suppress(_Partitioned):
         compiled(params, buffers, *values)
     return _activation_bytes(graphs["forward"].graph, len(params) + len(buffers), outputs[0])
+
+
+def _partitioning(forward, fw_compiler):
+    """``forward`` under AOTAutograd with the min-cut partitioner. Imported here: AOTAutograd imports torch._dynamo
+    (most of a second), which ``import leancompile`` does not need."""
+    from torch._functorch.aot_autograd import aot_function
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+    return aot_function(forward, fw_compiler=fw_compiler, partition_fn=min_cut_rematerialization_partition)
 
 
 def _activation_bytes(graph: torch.fx.Graph, weights: int, outputs: int) -> int:

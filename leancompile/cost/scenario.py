@@ -55,7 +55,7 @@ def model_scenario(name: str, *, trainer: str = "dancegrpo", resolution: int = 1
                    steps: int = 16, timestep_fraction: float = 0.6, lora_rank: int | None = 64,
                    micro_batch: int = 1, samples: int = 8, guidance_scale: float = 1.0, beta: float = 0.0,
                    ema: bool = False, gradient_checkpointing: bool | None = None, world_size: int = 1,
-                   sharding: str = "fsdp") -> Scenario:
+                   sharding: str = "fsdp", text_len: int | None = None) -> Scenario:
     """A real model (architecture only, on the meta device) trained in bf16 with float32 trainable weights,
     gradients and AdamW moments (mixed precision as FlowGRPO and DanceGRPO run it), ``samples`` per rank per
     GRPO step in micro-batches of ``micro_batch`` and one optimizer step per rollout; the group spans the ranks
@@ -75,7 +75,7 @@ def model_scenario(name: str, *, trainer: str = "dancegrpo", resolution: int = 1
     if gradient_checkpointing is not None:
         options["gradient_checkpointing"] = gradient_checkpointing
     config = TRAINERS[trainer].config_class(**options)
-    backbone = _real_backbone(name, resolution, frames, lora_rank)
+    backbone = _real_backbone(name, resolution, frames, lora_rank, text_len)
     profile = _cached_profile(backbone, None, "cpu")
     trainable = [p for p in backbone.parameters() if p.requires_grad]
     advantage_free = beta > 0
@@ -90,8 +90,9 @@ def model_scenario(name: str, *, trainer: str = "dancegrpo", resolution: int = 1
 
 
 @functools.lru_cache(maxsize=8)
-def _real_backbone(name: str, resolution: int, frames: int, lora_rank: int | None):
-    backbone = factory.real(name, resolution=resolution, frames=frames, device="meta", dtype=torch.bfloat16)
+def _real_backbone(name: str, resolution: int, frames: int, lora_rank: int | None, text_len: int | None = None):
+    backbone = factory.real(name, resolution=resolution, frames=frames, device="meta", dtype=torch.bfloat16,
+                            text_len=text_len)
     if lora_rank is None:
         return backbone.requires_grad_(True)
     from peft import LoraConfig

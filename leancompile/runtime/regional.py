@@ -35,13 +35,9 @@ from dataclasses import replace
 
 import torch
 import torch.distributed as dist
-import torch.fx.traceback as fx_traceback
-from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.distributed.fsdp import FSDPModule
-from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils import _pytree as pytree
 
-from ..backbones.plain import plain_copy, with_fake_weights
+from ..backbones.plain import fully_sharded, plain_copy, with_fake_weights
 from ..passes.pipeline import PassHistory
 from .calls import Call, bound, output_layout
 from .engine import KeptCall, Match, ReuseEngine, ScheduleRuntime, StepLog
@@ -99,7 +95,7 @@ class RegionalEngine:
         self._values = ReuseEngine(backbone, self.engines[0].schedule, {}, shared=call_shared, native=self._natively)
         self._idle: frozenset[int] = frozenset()  # blocks the heads run without grad (see provisional)
         self._answered: list[torch.nn.Module] = []  # blocks the heads answer with kept outputs (see provisional)
-        self._sharded = any(isinstance(block, FSDPModule) for block in self.blocks)  # by FSDP2
+        self._sharded = any(fully_sharded(block) for block in self.blocks)  # by FSDP2
         # (kept call's compile key, call's compile key) -> why the two training modes compute differently (None:
         # they compute the same), and each mode's traced forward by compile key (see _modes_differ)
         self._modes: dict[tuple, str | None] = {}
@@ -265,6 +261,10 @@ class RegionalEngine:
         """The module's forward on one row of ``call`` with every submodule's training flag as in ``state`` (read
         in ``named_modules()`` order, as StateReader reads them), traced on a hook-free copy with fake weights;
         each node's meta names the submodule it ran in (``custom["module"]``)."""
+        import torch.fx.traceback as fx_traceback  # tracing machinery, loaded when a mode is first compared
+        from torch._subclasses.fake_tensor import FakeTensorMode
+        from torch.fx.experimental.proxy_tensor import make_fx
+
         key = state.compile_key
         if key in self._mode_graphs:
             return self._mode_graphs[key]
@@ -486,7 +486,7 @@ def _where_modes_differ(kept: torch.fx.GraphModule, now: torch.fx.GraphModule, f
 
 def _hooks_of(block: torch.nn.Module) -> tuple | None:
     """FSDP2's forward hooks' handles on a block sharded by itself (None: none)."""
-    state = block._get_fsdp_state() if isinstance(block, FSDPModule) else None
+    state = block._get_fsdp_state() if fully_sharded(block) else None
     handles = (getattr(state, "_pre_forward_hook_handle", None), getattr(state, "_post_forward_hook_handle", None))
     return None if None in handles else handles
 

@@ -23,10 +23,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
-from functorch.compile import make_boxed_func
 from torch._functorch import config as functorch_config
-from torch._functorch.aot_autograd import aot_function
-from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
@@ -114,6 +111,11 @@ class RowwiseBackbone:
         return self._programs[key]
 
     def _partition(self, call: Call) -> RowProgram:
+        # AOTAutograd imports torch._dynamo (most of a second): on the first compile, not with leancompile.
+        from functorch.compile import make_boxed_func
+        from torch._functorch.aot_autograd import aot_function
+        from torch._functorch.partitioners import min_cut_rematerialization_partition
+
         traced, graphs, outputs = self.traced, {}, []
 
         def forward(params, buffers, *tensors):
