@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import functools
 import inspect
+import math
 import sys
+import time
 import warnings
 import weakref
 from collections import Counter
@@ -40,7 +42,7 @@ from .backbones.plain import WRAPPED_CLASS, fully_sharded
 from .passes.pipeline import PassHistory
 from .plan import Action, Schedule, StepAction
 from .runtime.bitwise import BitwiseRetain
-from .runtime.calls import Call, bound
+from .runtime.calls import Call, bound, output_layout
 from .runtime.engine import CallRecord, ReuseEngine
 from .runtime.identity import TRAINING_FLAGS
 from .runtime.regional import RegionalEngine, transformer_blocks
@@ -72,9 +74,10 @@ class _Admission:
     calls: int = 0  # calls of this rollout asked about so far
     host_limit: int | None = None  # bytes the overflow may hold in host memory
     agreed: bool = False  # the limit read from free memory is the least of every rank's (Reweight under FSDP2)
+    stopped: str | None = None  # why nothing is kept any more (auto: the program measured slower than native)
 
     def __call__(self, call: Call) -> StepAction | None:
-        if self.engine.answering_with_leaves_now:  # a provisional head's call (a KL reference): its values are kept
+        if self.engine.answering_with_leaves_now or self.stopped:  # a provisional head's call: its values are kept
             return None
         if self.closed_at is not None:
             if self.engine.reader.versions() == self.closed_at:
@@ -238,6 +241,7 @@ class _Runtime:
         self.served_ever = False
         self.warned: set[str] = set()
         self.watched = True  # by the optimizer-step watch (a submodule serving after a descent: by its parent's)
+
         self.refusal = _framework_refusal(module)
         self._build(module)
 
@@ -245,6 +249,11 @@ class _Runtime:
         self.registrations, self.parameters = _REGISTRATIONS[0], [id(p) for p in module.parameters()]
         self.trainable = [p for p in module.parameters() if p.requires_grad]
         self.engine, self.admission = _engine(module, **self.options)
+        # auto: native's time per row for a kept call without grad and again with grad and its backward, measured
+        # at the first kept call and compared with the program's own once calls were served (nan: not measured;
+        # the whole-call engine only)
+        auto = self.options["schedule"] == AUTO and isinstance(self.engine, ReuseEngine)
+        self.native_seconds: float | None = None if auto else math.nan
 
     @property
     def serving(self) -> "_Runtime":
@@ -274,7 +283,10 @@ class _Runtime:
                     warnings.filterwarnings("ignore", message="There is a performance drop")
                     return self.engine(*args, **kwargs)
             finally:
-                self.window.extend(log.records[seen:])
+                made = log.records[seen:]
+                self.window.extend(made)
+                if self.native_seconds is None and any(r.action == "kept" for r in made):
+                    self.native_seconds = _native_seconds(module, self.trainable, args, kwargs)
         except Exception as error:  # never break a loop that runs natively: run it so, and say why
             if self.refusal is not None or _INSIDE[0] > 1:
                 raise
@@ -348,6 +360,8 @@ class _Runtime:
             reasons = Counter(stats["recompute_reasons"]) + Counter(below["recompute_reasons"])
             stats = {k: stats.get(k, 0) + v for k, v in below.items() if isinstance(v, (int, float))}
             stats.update(recompute_reasons=dict(reasons), served_by=self.below[0])
+        if self.admission.stopped:
+            stats["auto"] = self.admission.stopped
         refused = [r for r in self.notes if r.action == "recomputed"]  # run natively by the wrapper (FSDP1)
         if refused:
             stats["recomputed_calls"] += len(refused)
@@ -355,6 +369,27 @@ class _Runtime:
             stats["recompute_reasons"] = dict(Counter(stats["recompute_reasons"]) + Counter(r.kind for r in refused))
         self.notes = []
         return stats
+
+    def _weigh(self, window: list[CallRecord]) -> None:
+        """auto, at the first optimizer step after served calls: where the program's own time per row (a kept call's
+        forward and its served backward, each past its first, which traces) is above native's by more than
+        ``AUTO_FLOOR`` allows, keep nothing more: the loop runs natively from then on, and says why."""
+        if self.native_seconds is None or math.isnan(self.native_seconds) or self.admission.stopped:
+            return
+        per_row = []
+        for action in ("kept", "served"):
+            records = [r for r in window if r.action == action and r.seconds > 0]
+            records = records[1:] or records
+            per_row.append(sum(r.seconds for r in records) / max(sum(r.rows for r in records), 1))
+        program, native = sum(per_row), self.native_seconds
+        self.native_seconds = math.nan  # weighed once
+        if program * AUTO_FLOOR > native:
+            self.admission.stopped = (f"auto: the per-row program took {program * 1e3:.3g} ms a row (kept forward "
+                                      f"and served backward), native {native * 1e3:.3g} ms a row (forward without "
+                                      "grad, forward and backward with grad): the module runs natively from now on")
+            self.engine.release()
+            self.notes.append(CallRecord("native", 0, self.admission.stopped, "auto"))
+            warnings.warn(f"leancompile.wrap: {self.admission.stopped}", NothingServedWarning, stacklevel=5)
 
     def stepped(self) -> None:
         """An optimizer step over the module's weights: warn once per cause where the calls with grad since the
@@ -367,6 +402,9 @@ class _Runtime:
         served = sum(r.action == "served" for r in with_grad)
         self.served_ever |= served > 0
         if served:
+            self._weigh(window)
+            return
+        if self.admission.stopped:  # auto chose native, and said so
             return
         if not with_grad:
             if not any(p.grad is not None for p in self.trainable):
@@ -408,6 +446,27 @@ def _named_forward(module: torch.nn.Module):
             return forward
         module = inner
     return module.forward
+
+
+# auto keeps running the per-row program while it is measured at least this fast relative to native
+AUTO_FLOOR = 0.97
+
+
+def _native_seconds(module: torch.nn.Module, trainable: list, args: tuple, kwargs: dict) -> float:
+    """Native's time per row for this call: once without grad (the rollout's) and once with grad and its backward
+    (the update's), the gradients returned, not accumulated (nothing of the loop's state changes)."""
+    cuda = lambda: torch.cuda.synchronize() if torch.cuda.is_available() else None  # noqa: E731
+    cuda()
+    start = time.perf_counter()
+    with torch.no_grad():
+        torch.nn.Module.__call__(module, *args, **kwargs)
+    with torch.enable_grad():
+        output, _, refusal = output_layout(torch.nn.Module.__call__(module, *args, **kwargs))
+        if refusal is None and output.requires_grad:
+            torch.autograd.grad(output, [p for p in trainable if p.requires_grad], torch.ones_like(output),
+                                allow_unused=True)
+    cuda()
+    return (time.perf_counter() - start) / max(_rows(args), 1)
 
 
 def _rows(args: tuple) -> int:
@@ -567,7 +626,7 @@ def _engine(module: torch.nn.Module, schedule: str, memory_limit: int | None, sh
                                 shared=family.block_shared if family else (), call_shared=frozenset(shared))
     else:
         engine = ReuseEngine(module, runtime, {1.0: RowwiseBackbone(module, tune_matmuls=tune_matmuls)},
-                             shared=frozenset(shared), native=native)
+                             shared=frozenset(shared), native=native, timed=auto)
     action = StepAction(0, Action(schedule), "a call without grad of the wrapped module that matches no kept call")
     overflow = (StepAction(0, Action.OFFLOAD, "a kept call past the device's memory limit")
                 if auto and not bitwise else None)

@@ -1,6 +1,7 @@
 """``leancompile.wrap`` on modules as frameworks hold and call them: the wrapped module stays the module, a call is
 its bound call, a forward assigned on it still runs through the engine, an output that is not one row-laid tensor
 is served through the submodule that computes its rows, and a loop that gains nothing is told so."""
+import sys
 import types
 import warnings
 
@@ -191,3 +192,45 @@ def test_torchs_batching_rule_warnings_do_not_reach_the_user():
             wrapped(**inputs, return_dict=False)
         _update(wrapped, **inputs)
     assert not [w for w in caught if "performance drop" in str(w.message)]
+
+
+def test_auto_measures_the_program_against_native_and_runs_natively_where_it_is_slower(monkeypatch):
+    """Native's time per row measured at the first kept call is made a thousandth of a nanosecond here, so that the
+    program is slower whatever the machine: after the first optimizer step that followed served calls, auto keeps
+    nothing more, says why, and the loop's gradient stays native's."""
+    monkeypatch.setattr(sys.modules["leancompile.wrap"], "_native_seconds", lambda *_: 1e-12)
+    module, inputs = _sd3()
+    wrapped = leancompile.wrap(module, schedule="auto")
+    optimizer = torch.optim.SGD(wrapped.parameters(), lr=1e-3)
+    with torch.no_grad():
+        wrapped(**inputs, return_dict=False)
+    _update(wrapped, **inputs)
+    with pytest.warns(leancompile.NothingServedWarning, match="auto: the per-row program took"):
+        optimizer.step()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", leancompile.NothingServedWarning)  # said once
+        with torch.no_grad():
+            wrapped(**inputs, return_dict=False)
+        _update(wrapped, **inputs)
+        optimizer.step()
+    notes = [r for r in wrapped.last_calls if r.kind == "auto"]
+    assert len(notes) == 1 and "runs natively from now on" in notes[0].reason
+    stats = wrapped.stats()
+    assert stats["served_calls"] == 1 and stats["recompute_reasons"] == {"nothing kept": 1}, stats
+    assert "runs natively from now on" in stats["auto"]
+    grads = _update(wrapped, **inputs)
+    leancompile.unwrap(wrapped)
+    torch.testing.assert_close(grads, _update(module, **inputs), rtol=1e-10, atol=1e-12)
+
+
+def test_auto_keeps_serving_where_the_program_is_not_slower(monkeypatch):
+    monkeypatch.setattr(sys.modules["leancompile.wrap"], "_native_seconds", lambda *_: 1e6)
+    module, inputs = _sd3()
+    wrapped = leancompile.wrap(module, schedule="auto")
+    optimizer = torch.optim.SGD(wrapped.parameters(), lr=1e-3)
+    for _ in range(2):
+        with torch.no_grad():
+            wrapped(**inputs, return_dict=False)
+        _update(wrapped, **inputs)
+        optimizer.step()
+    assert wrapped.stats()["served_calls"] == 2

@@ -86,6 +86,7 @@ class CallRecord:
     rows: int
     reason: str
     kind: str = ""  # the reason's kind, for the statistics
+    seconds: float = 0.0  # the program's own time for it (kept: its forward and keep; served: its backward)
 
 
 @dataclass
@@ -149,8 +150,9 @@ class ReuseEngine:
     ``schedule``."""
 
     def __init__(self, backbone, schedule: ScheduleRuntime, rowwise: dict[float, RowwiseBackbone], sync=None,
-                 shared: frozenset[str] = frozenset(), native=None):
+                 shared: frozenset[str] = frozenset(), native=None, timed: bool = False):
         self.backbone = backbone
+        self.timed = timed  # each kept and served call's own time measured to the device's end (auto compares it)
         # What runs a call natively: the module, or (a block whose forward routes to this engine) its own forward
         self.native = native if native is not None else backbone
         self.shared = shared  # keyword arguments every row shares whatever their size (see runtime.calls)
@@ -258,6 +260,12 @@ class ReuseEngine:
         """Why a call like ``call`` cannot be kept by its one-row program (compiled now if it is not yet)."""
         return self.rowwise[1.0].program(self.reader.read(call).compile_key, call).refusal
 
+    def _clock(self, device: torch.device) -> float:
+        """Now, once the device has finished what was queued where the program's time is measured (``timed``)."""
+        if self.timed and device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return time.perf_counter()
+
     def _remember_values(self, call: Call, output, keys) -> None:
         """Keep a call's output values only (no activations): a later equal call without grad is served them."""
         start = time.perf_counter()
@@ -305,16 +313,20 @@ class ReuseEngine:
         if self._fingerprint is None:
             self._fingerprint = self.reader.fingerprint()
         self.check_seconds += time.perf_counter() - start
+        began = self._clock(call.device)
         output, saved = self.schedule.forward(self, rowwise, key, call)
+        seconds = self._clock(call.device) - began
         start = time.perf_counter()
         kept = self._remember(state, call, output, program.output, rowwise, key)
         self.check_seconds += time.perf_counter() - start
+        began = self._clock(call.device)
         self.schedule.keep(self, kept, saved, action)
+        seconds += self._clock(call.device) - began
         self._count(kept.nbytes)
         self._checked = False
         if self._keeping is not None:  # the caller's list of what it kept (a wrapped module's admission has none)
             self._made.append(kept)
-        self.log.records.append(CallRecord("kept", call.batch, str(getattr(action, "kind", action))))
+        self.log.records.append(CallRecord("kept", call.batch, str(getattr(action, "kind", action)), "", seconds))
         return program.output.unpack(output, copy=True)  # the loop may write into what it gets; the kept stays
 
     def _remember(self, state, call: Call, output, layout, rowwise=None, key=(), keys=None) -> KeptCall:
@@ -523,7 +535,9 @@ class _Served(torch.autograd.Function):
     @staticmethod
     def backward(ctx, cotangent):
         engine, match = ctx.engine, ctx.match
+        began = engine._clock(cotangent.device)
         grads = engine.schedule.gradients(engine, match, cotangent, ctx.inputs, ctx.context)
+        ctx.record.seconds = engine._clock(cotangent.device) - began
         if grads is None:
             ctx.record.action, ctx.record.kind = "recomputed", "cotangent"
             ctx.record.reason = "its cotangent is not in the span of those the rollout backpropagated"
