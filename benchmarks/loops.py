@@ -22,9 +22,10 @@ LOOPS = {
     "sd3/flowgrpo": (flowgrpo_sd3.Loop, flowgrpo_sd3.Config(sizes=tuple(backbone_sizes("sd3").items()))),
     "flux/dancegrpo": (dancegrpo_flux.Loop, dancegrpo_flux.Config(sizes=tuple(backbone_sizes("flux").items()))),
 }
-# Each loop under Reweight too (it hands its loss to ``wrapped.provisional``).
-LOOPS.update({f"{name}/reweight": (loop, dataclasses.replace(config, schedule="reweight"))
-              for name, (loop, config) in LOOPS.items()})
+# Each loop under Reweight too (it hands its loss to ``wrapped.provisional``), and under auto (Retain while the
+# per-row program is measured no slower than native, else native).
+LOOPS.update({f"{name}/{schedule}": (loop, dataclasses.replace(config, schedule=schedule))
+              for name, (loop, config) in list(LOOPS.items()) for schedule in ("reweight", "auto")})
 QUICK_LOOPS = ("llm/grpo", "llm/trl")
 
 
