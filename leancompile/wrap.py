@@ -278,10 +278,7 @@ class _Runtime:
             if torch.is_grad_enabled() and not self.engine.answering_with_leaves_now:
                 self.admission.close()
             try:
-                with warnings.catch_warnings():
-                    # vmap of the per-row program runs kernels without a batching rule once per row, by design
-                    warnings.filterwarnings("ignore", message="There is a performance drop")
-                    return self.engine(*args, **kwargs)
+                return self.engine(*args, **kwargs)
             finally:
                 made = log.records[seen:]
                 self.window.extend(made)

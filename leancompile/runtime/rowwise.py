@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import warnings
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -177,8 +176,7 @@ class RowwiseBackbone:
                 # Kernels without a batching rule (the CPU attention kernels) trace as one call per row, which
                 # fold_per_row_calls folds back into one. PyTorch warns about it; it is expected here.
                 device = leaves[-1].device  # the last data input (forward) or the cotangent (backward)
-                with torch.autocast(device.type, enabled=False), warnings.catch_warnings():
-                    warnings.filterwarnings("ignore", message="There is a performance drop")
+                with torch.autocast(device.type, enabled=False), _quiet_vmap_fallback():
                     gm = make_fx(fn, tracing_mode="fake")(*args)
                 name = (f"{'forward' if forward else 'backward'} over {key[1]} rows"
                         + (", gradients per row" if not forward and key[2] else ""))
@@ -254,6 +252,17 @@ class RowwiseBackbone:
             self._weight_values = (stamp, values)
         return self._weight_values[1]
 
+
+
+@contextlib.contextmanager
+def _quiet_vmap_fallback():
+    """Without vmap's warning that a kernel has no batching rule and runs once per row (printed by C++ where no
+    Python handler is active): expected while tracing, and ``fold_per_row_calls`` folds those calls back into one."""
+    torch._C._functorch._set_vmap_fallback_warning_enabled(False)
+    try:
+        yield
+    finally:
+        torch._C._functorch._set_vmap_fallback_warning_enabled(True)
 
 
 @contextlib.contextmanager
