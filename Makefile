@@ -41,4 +41,4 @@ bench-distributed: $(VENV)/.installed
 	$(BENCH_MALLOC) $(PY) -m benchmarks.distributed
 
 clean:
-	rm -rf $(VENV) demo-out bench-out
+	rm -rf $(VENV) demo-out bench-out tiny-report-out

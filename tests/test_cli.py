@@ -9,7 +9,6 @@ import leancompile
 from leancompile.backbones import factory
 from leancompile.cli import build_parser, main as cli
 
-pytestmark = pytest.mark.fast
 
 
 def _flags(parser) -> dict[str, set[str]]:
@@ -18,6 +17,7 @@ def _flags(parser) -> dict[str, set[str]]:
     return {name: {s for a in p._actions for s in a.option_strings} for name, p in sub.choices.items()}
 
 
+@pytest.mark.fast
 def test_flags_mean_one_thing_across_commands():
     flags = _flags(build_parser())
     assert {"env", "demo", "plan", "tiny-report"} <= set(flags)
@@ -28,6 +28,7 @@ def test_flags_mean_one_thing_across_commands():
     assert {"--model", "--config", "--device"} <= flags["plan"]
 
 
+@pytest.mark.fast
 def test_every_option_says_what_it_means():
     sub = next(a for a in build_parser()._actions if a.dest == "command")
     for name, parser in sub.choices.items():
@@ -36,6 +37,7 @@ def test_every_option_says_what_it_means():
                 assert action.help and len(action.help) > 10, (name, action.option_strings)
 
 
+@pytest.mark.fast
 def test_version_and_env(capsys):
     with pytest.raises(SystemExit) as exit_:
         cli(["--version"])
@@ -46,6 +48,7 @@ def test_version_and_env(capsys):
         assert name in out
 
 
+@pytest.mark.fast
 def test_help_loads_no_optional_package():
     code = ("import sys; from leancompile.cli import main\n"
             "try:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
@@ -55,6 +58,7 @@ def test_help_loads_no_optional_package():
     assert out.strip().splitlines()[-1] == "[]"
 
 
+# Profiles a real-size model on fake tensors (tens of seconds): not in the fast tier.
 def test_plan_reads_a_diffusers_config_as_the_shipped_model(tmp_path, capsys):
     record = factory.load_config("wan2.1-1.3b")
     path = tmp_path / "config.json"  # as diffusers' save_pretrained writes it

@@ -61,6 +61,7 @@ def _relative(a, b) -> float:
     return float((a - b).norm() / b.norm())
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("name", LOOPS)
 def test_a_wrapped_loop_trains_exactly_as_its_native_version(name):
     loop_class, config, served = LOOPS[name]

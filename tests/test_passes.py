@@ -29,6 +29,7 @@ def cfg_kl_programs():
     return trainer, passes.capture(trainer)
 
 
+@pytest.mark.fast
 def test_capture_tags_placeholders_and_backbone_calls(cfg_kl_programs):
     trainer, programs = cfg_kl_programs
     roles = [n.meta[INPUT] for n in programs.update.graph.nodes if n.op == "placeholder"]
@@ -42,6 +43,7 @@ def test_capture_tags_placeholders_and_backbone_calls(cfg_kl_programs):
                                                                                          (1, False, False)]
 
 
+@pytest.mark.fast
 def test_detection_pairs_the_policy_call_and_maps_the_cfg_layout(cfg_kl_programs):
     trainer, programs = cfg_kl_programs
     shared = passes.detect_shared_backbone(programs.rollout, programs.update)
@@ -56,6 +58,7 @@ def test_detection_pairs_the_policy_call_and_maps_the_cfg_layout(cfg_kl_programs
     assert any(PROVENANCE in n.meta for n in inputs)
 
 
+@pytest.mark.fast
 def test_detection_refuses_an_update_that_sees_different_inputs():
     trainer = _trainer(guidance_scale=2.0, train_cfg=False)  # rollout doubles the batch, the update does not
     programs = passes.capture(trainer)
@@ -65,6 +68,7 @@ def test_detection_refuses_an_update_that_sees_different_inputs():
     assert plan.schedule == "native" and "inputs differ" in plan.steps[0].reason
 
 
+@pytest.mark.fast
 def test_gradient_pruning_drops_the_detached_uncond_branch(cfg_kl_programs):
     _, programs = cfg_kl_programs
     need = passes.prune_gradient_need(programs.update, 0, 2)
@@ -84,6 +88,7 @@ def test_pruning_halves_the_retained_bytes():
     assert 0.4 * full <= pruned <= 0.6 * full
 
 
+@pytest.mark.fast
 def test_validity_refuses_dropout():
     trainer = _trainer()
     for module in trainer.backbone.modules():
@@ -100,6 +105,7 @@ def test_validity_refuses_dropout():
     assert plan.schedule == "native" and "random" in plan.steps[0].reason
 
 
+@pytest.mark.fast
 def test_rewrite_inserts_the_retained_output_and_removes_the_update_backbone(cfg_kl_programs):
     _, programs = cfg_kl_programs
     rewritten = passes.rewrite_for_retain(programs.rollout, programs.update, (0, 0))
@@ -115,6 +121,7 @@ def test_rewrite_inserts_the_retained_output_and_removes_the_update_backbone(cfg
     assert len(rewritten.removed) >= len(backbone_calls(programs.update)[0])
 
 
+@pytest.mark.fast
 def test_optimize_errors_name_the_parameter():
     trainer = _trainer()
     with pytest.raises(ValueError, match="schedule must be one of"):
@@ -203,6 +210,7 @@ def test_weights_modified_after_the_rollout_are_caught_and_recomputed():
     assert set(stats["recompute_reasons"]) <= {"weights", "nothing kept"} and "weights" in stats["recompute_reasons"]
 
 
+@pytest.mark.fast
 def test_linearity_proves_the_ppo_loss_affine_and_separates_the_kl_term(cfg_kl_programs):
     _, programs = cfg_kl_programs
     linearity = passes.check_linearity(programs.update)
@@ -221,6 +229,7 @@ class SquaredAdvantageTrainer(FlowGRPOTrainer):
         return loss + (micro.advantages ** 2).mean(), info
 
 
+@pytest.mark.fast
 def test_linearity_refuses_a_loss_non_linear_in_the_advantages():
     backbone = backbones.tiny("sd3", seed=0)
     trainer = SquaredAdvantageTrainer(FlowGRPOConfig(num_steps=3, group_size=2), backbone, mean_reward,
@@ -232,6 +241,7 @@ def test_linearity_refuses_a_loss_non_linear_in_the_advantages():
     assert [r.schedule for r in plan.refusals] == [Schedule.REWEIGHT]
 
 
+@pytest.mark.fast
 def test_scatters_into_fresh_buffers_are_written_in_place():
     """Functionalization turns ``out[..., 0::2] = a`` into whole-buffer scatters; the pass writes the slices in
     place where nothing else reads the buffer, and leaves a scatter whose input is read elsewhere alone."""
@@ -263,6 +273,7 @@ def test_scatters_into_fresh_buffers_are_written_in_place():
         assert all(n.meta[REWRITE] is Rewrite.IN_PLACE for n in gm.graph.nodes if n.target is torch.ops.aten.copy_.default)
 
 
+@pytest.mark.fast
 def test_matrix_products_take_the_operand_order_their_timing_chose():
     """A product timed faster with its operands swapped becomes ``(B^T A^T)^T`` copied back into its layout,
     keeping its name; one timed slower stays as written; values are equal either way."""
@@ -304,6 +315,7 @@ def test_matrix_products_take_the_operand_order_their_timing_chose():
     assert 0 < timing.written < 1 and 0 < timing.swapped < 1 and time_product(products[1]) is timing
 
 
+@pytest.mark.fast
 def test_multiplications_by_one_are_dropped_where_they_return_their_input():
     """``x * 1.0`` (peft's LoRA scaling at ``lora_alpha = r``) goes; a product by one that promotes, changes the
     layout or is a graph output stays."""
@@ -325,6 +337,7 @@ def test_multiplications_by_one_are_dropped_where_they_return_their_input():
         assert torch.equal(got, want) and got.dtype == want.dtype and got.stride() == want.stride()
 
 
+@pytest.mark.fast
 def test_copies_of_values_nothing_else_reads_are_dropped():
     """``clone`` (dropout at ``p = 0`` in training mode) of an intermediate only it reads goes; a copy of an input,
     of a view, of a value read elsewhere, of an in-place result, or one that changes the layout stays."""
@@ -350,6 +363,7 @@ def test_copies_of_values_nothing_else_reads_are_dropped():
         assert torch.equal(got, want) and got.stride() == want.stride()
 
 
+@pytest.mark.fast
 def test_views_of_views_fold_and_views_that_change_nothing_go():
     """A reshape chain becomes one reshape of its origin, permutations compose, and a view, expand or permutation
     that returns its input as it is goes; values, shapes and strides of every output stay, and in a graph that

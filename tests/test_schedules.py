@@ -25,6 +25,7 @@ def _trainer(**kw):
     return FlowGRPOTrainer(config, backbone, mean_reward, PromptTable(backbone))
 
 
+@pytest.mark.fast
 def test_every_registered_schedule_is_offered_everywhere_it_could_run(capsys):
     names = [str(name) for name in SCHEDULES]
     assert set(names) <= set(REQUESTS) and set(WRAP_SCHEDULES) == {"auto", *names}
@@ -41,6 +42,7 @@ def test_every_registered_schedule_is_offered_everywhere_it_could_run(capsys):
         assert wrapped.engine.admit.action.kind is Action(name)
 
 
+@pytest.mark.fast
 def test_a_refused_schedule_falls_back_as_its_record_says():
     plan = optimize(_trainer(), "offload", bitwise=True).plan
     [refusal] = [r for r in plan.refusals if r.schedule is Schedule.OFFLOAD]
