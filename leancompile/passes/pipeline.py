@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch.fx as fx
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
+from .eager_bits import fuse_biases_into_products
 from .identities import drop_copies_of_unshared_values, drop_multiplications_by_one, fold_views
 from .inplace import write_scatters_in_place
 from .matmul_order import order_matrix_products
@@ -53,6 +54,7 @@ ONE_ROW_PARTITION = (
     Pass(prepare_for_rows),
 )
 TRACED_ROWS = (
+    Pass(fuse_biases_into_products),
     Pass(fold_per_row_calls, new_values=True),
     Pass(sum_products_over_rows, new_values=True),
     Pass(write_scatters_in_place, forward_only=True),

@@ -32,6 +32,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from ..backbones.checkpointing import without_checkpointing
 from ..passes import pipeline
+from ..passes.eager_bits import EAGER_DECOMPOSITIONS, keeping_linear_whole
 from ..passes.graph import reading_data
 from ..passes.rowwise import random_operators
 from .calls import Call, OutputLayout, output_layout
@@ -118,7 +119,9 @@ class RowwiseBackbone:
 
         def forward(params, buffers, *tensors):
             args, kwargs = call.with_tensors(tensors)
-            tensor, layout, refusal = output_layout(torch.func.functional_call(traced, (params, buffers), args, kwargs))
+            with keeping_linear_whole():  # decomposed at the call's batch, as eager decomposes it (passes.eager_bits)
+                result = torch.func.functional_call(traced, (params, buffers), args, kwargs)
+            tensor, layout, refusal = output_layout(result)
             if refusal is not None:
                 raise ValueError(refusal)
             outputs.append(layout)
@@ -177,7 +180,7 @@ class RowwiseBackbone:
                 device = leaves[-1].device  # the last data input (forward) or the cotangent (backward)
                 with torch.autocast(device.type, enabled=False), warnings.catch_warnings():
                     warnings.filterwarnings("ignore", message="There is a performance drop")
-                    gm = make_fx(fn, tracing_mode="fake")(*args)
+                    gm = make_fx(fn, EAGER_DECOMPOSITIONS, tracing_mode="fake")(*args)
                 name = (f"{'forward' if forward else 'backward'} over {key[1]} rows"
                         + (", gradients per row" if not forward and key[2] else ""))
                 pipeline.run(pipeline.TRACED_ROWS, gm, name, self.history, forward, self.tune_matmuls)
