@@ -110,9 +110,35 @@ def _contiguous_rows(info, in_dims, x):
     return x.movedim(in_dims[0], 0).contiguous(), 0
 
 
+@torch.library.custom_op("leancompile::full_rows", mutates_args=())
+def full_rows(rows: torch.Tensor, size: list[int], value: float, dtype: torch.dtype) -> torch.Tensor:
+    """``torch.full(size, value)`` with ``size[0]`` the call's rows, one per row of ``rows`` (read for its rows
+    alone)."""
+    return torch.full(size, value, dtype=dtype, device=rows.device)
+
+
+@full_rows.register_fake
+def _full_rows_fake(rows, size, value, dtype):
+    return torch.full(size, value, dtype=dtype, device=rows.device)
+
+
+full_rows.register_autograd(lambda ctx, grad: None)
+
+
+@full_rows.register_vmap
+def _full_rows_rows(info, in_dims, rows, size, value, dtype):
+    return torch.full([info.batch_size, *size], value, dtype=dtype, device=rows.device), 0
+
+
+def _full_rows_one(rows, size, value, dtype):
+    return torch.full(size, value, dtype=dtype, device=rows.device)
+
+
 # Where a traced program calls the operators outside ``vmap`` (one row), they are traced as the functions they keep.
 EAGER_DECOMPOSITIONS = {torch.ops.leancompile.linear.default: F.linear,
-                        torch.ops.leancompile.contiguous.default: torch.Tensor.contiguous}
+                        torch.ops.leancompile.contiguous.default: torch.Tensor.contiguous,
+                        torch.ops.leancompile.full_rows.default: _full_rows_one}
+_FACTORIES = {torch.full: 1, torch.zeros: 0.0, torch.ones: 1.0}  # -> the value (full's: its argument)
 
 
 def _autocast_dtype(device: torch.device) -> torch.dtype | None:
@@ -120,9 +146,29 @@ def _autocast_dtype(device: torch.device) -> torch.dtype | None:
     return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else None
 
 
+def _size(args) -> list[int] | None:
+    size = args[0] if len(args) == 1 or not isinstance(args[0], int) else args
+    return list(size) if isinstance(size, (tuple, list, torch.Size)) and all(isinstance(n, int) for n in size) \
+        else None
+
+
 class _LinearWhole(TorchFunctionMode):
+    def __init__(self, rows: torch.Tensor | None):
+        super().__init__()
+        self.rows = rows
+
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func in _FACTORIES and self.rows is not None:
+            full = func is torch.full
+            size = _size(args[:1] if full else args)
+            value = args[1] if full and len(args) > 1 else kwargs.get("fill_value", _FACTORIES[func])
+            dtype = kwargs.get("dtype") or torch.get_default_dtype()
+            extra = set(kwargs) - {"dtype", "device", "fill_value"}
+            device = torch.device(kwargs.get("device") or "cpu")
+            if (size and size[0] == 1 and not extra and device == self.rows.device and dtype.is_floating_point
+                    and isinstance(value, (int, float)) and not isinstance(value, bool)):
+                return full_rows(self.rows, size, float(value), dtype)
         if func is torch.Tensor.contiguous and kwargs.get("memory_format", torch.contiguous_format) is \
                 torch.contiguous_format and len(args) == 1:
             return contiguous(args[0])
@@ -139,10 +185,11 @@ class _LinearWhole(TorchFunctionMode):
 
 
 @contextlib.contextmanager
-def keeping_linear_whole():
-    """Inside, ``F.linear`` traces as ``leancompile::linear`` (its input cast as autocast casts it) and
-    ``Tensor.contiguous()`` as ``leancompile::contiguous``."""
-    with _LinearWhole():
+def keeping_linear_whole(rows: torch.Tensor | None = None):
+    """Inside, ``F.linear`` traces as ``leancompile::linear`` (its input cast as autocast casts it),
+    ``Tensor.contiguous()`` as ``leancompile::contiguous`` and, given a tensor ``rows`` of the call's rows, a
+    floating ``full`` / ``zeros`` / ``ones`` of one row as ``leancompile::full_rows``."""
+    with _LinearWhole(rows):
         yield
 
 

@@ -119,7 +119,8 @@ class RowwiseBackbone:
 
         def forward(params, buffers, *tensors):
             args, kwargs = call.with_tensors(tensors)
-            with keeping_linear_whole():  # decomposed at the call's batch, as eager decomposes it (passes.eager_bits)
+            rows = next((t for t, row in zip(tensors, call.tensor_rows) if row), None)
+            with keeping_linear_whole(rows):  # decomposed at the call's batch, as eager decomposes it (passes.eager_bits)
                 result = torch.func.functional_call(traced, (params, buffers), args, kwargs)
             tensor, layout, refusal = output_layout(result)
             if refusal is not None:
