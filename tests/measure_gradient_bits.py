@@ -6,11 +6,13 @@ combined) is compared with native's gradient of the same call and loss. For scal
 between native's gradient of the call and native's gradients of its rows one at a time, summed: how much the
 rounding of the backward's reductions moves a gradient when only the grouping of the rows changes.
 
-    PYTHONPATH=$PWD python tests/measure_gradient_bits.py
+    PYTHONPATH=$PWD python tests/measure_gradient_bits.py            # the gradients
+    PYTHONPATH=$PWD python tests/measure_gradient_bits.py --digits   # the 20-step digits run's rewards
 """
 from __future__ import annotations
 
 import copy
+import sys
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -87,6 +89,14 @@ def measure(name: str, precision: str, schedule: str) -> dict:
 
 def main() -> None:
     torch.set_num_threads(1)
+    if "--digits" in sys.argv:
+        for precision in ("float32", "bf16"):
+            r = digits_run(20, precision)
+            first = (r["bitwise_reward_steps"] + [False]).index(False)  # steps before the first that differs
+            print(f"digits, {r['precision']}, {r['schedule']}: rewards bitwise native's for the first {first} of 20 "
+                  f"steps ({sum(r['bitwise_reward_steps'])} in all), max reward difference {r['max_reward_diff']:.1e}, "
+                  f"weights {r['weight_rel_error']:.1e} of native's update apart after 20 steps", flush=True)
+        return
     print("| backbone | precision | schedule | served vs native | native's rows one at a time vs native |")
     print("|---|---|---|---|---|")
     for precision in ("float32", "bf16"):
@@ -95,6 +105,27 @@ def main() -> None:
                 r = measure(name, precision, schedule)
                 print(f"| {r['backbone']} | {r['precision']} | {r['schedule']} | {r['served']:.1e} | "
                       f"{r['rows one at a time']:.1e} |", flush=True)
+
+
+def digits_run(steps: int, precision: str) -> dict:
+    """The digits run of ``benchmarks.equivalence`` (native and auto side by side): per step, whether the rollout's
+    rewards are native's bit for bit, the largest reward difference, and the weights' distance at the end (relative
+    to native's total update)."""
+    from benchmarks.equivalence import PROMPTS, _trainer, _weights
+    from leancompile import optimize
+
+    native, auto = _trainer(precision), optimize(_trainer(precision))
+    start = _weights(native)
+    equal, differences = [], []
+    for _ in range(steps):
+        native.step(PROMPTS), auto.step(PROMPTS)
+        a, b = native.last_rollout.rewards, auto.last_rollout.rewards
+        equal.append(bool(torch.equal(a, b)))
+        differences.append(float((a - b).abs().max()))
+    update = _weights(native) - start
+    return {"precision": precision, "schedule": auto.plan.schedule, "bitwise_reward_steps": equal,
+            "max_reward_diff": max(differences),
+            "weight_rel_error": float((_weights(native) - _weights(auto)).norm() / update.norm())}
 
 
 if __name__ == "__main__":

@@ -81,3 +81,47 @@ def test_the_rows_of_a_linear_layer_are_one_product_as_eager_runs_them():
         torch.ops.aten.addmm.default, torch.ops.aten.mm.default, torch.ops.aten.bmm.default)]
     assert [n.target for n in products] == [torch.ops.aten.addmm.default] * 2
     assert all(n.args[1].meta["val"].shape[0] == 4 * 5 for n in products)
+
+
+@pytest.mark.parametrize("precision", list(PRECISIONS))
+def test_a_kept_call_of_a_lora_model_returns_natives_bits(precision):
+    """peft's LoRA layers: frozen base weights beside trainable adapters (eager picks a linear layer's kernels by
+    whether its weight requires grad)."""
+    from peft import LoraConfig, get_peft_model
+
+    backbone = backbones.tiny("flux", seed=1).eval()
+    backbone.model = get_peft_model(backbone.model, LoraConfig(r=2, lora_alpha=2, init_lora_weights="gaussian",
+                                                               target_modules=backbone.lora_target_modules()))
+    generator = torch.Generator().manual_seed(2)
+    x = torch.randn(3, *backbone.latent_shape, generator=generator)
+    sigma = torch.rand(3, generator=generator)
+    got, expected = _kept_and_native(backbone, (x, sigma, backbone.dummy_conditioning(3, generator=generator)), {},
+                                     precision, per_block=False)
+    assert torch.equal(got, expected), (got - expected).abs().max()
+
+
+class _Conv1D(torch.nn.Module):
+    """A layer that calls ``addmm`` itself (transformers' GPT-2 ``Conv1D``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(32, 48))
+        self.bias = torch.nn.Parameter(torch.randn(48))
+
+    def forward(self, x):
+        return torch.addmm(self.bias, x.reshape(-1, x.shape[-1]), self.weight).reshape(*x.shape[:-1], 48)
+
+
+def test_an_addmm_the_module_calls_stays_one_addmm_over_the_rows():
+    """vmap's rule for ``addmm`` rounds the product to bf16 before adding the bias; ``fuse_biases_into_products``
+    makes it eager's one ``addmm`` over the rows again."""
+    torch.manual_seed(0)
+    module = _Conv1D().bfloat16()
+    native, wrapped = copy.deepcopy(module), leancompile.wrap(module)
+    x = torch.randn(3, 10, 32, dtype=torch.bfloat16)
+    with torch.no_grad():
+        expected, got = native(x), wrapped(x)
+    assert torch.equal(got, expected)
+    graph = wrapped.engine.rowwise[1.0].forward_graph.graph
+    targets = [n.target for n in graph.nodes if n.op == "call_function"]
+    assert torch.ops.aten.addmm.default in targets and torch.ops.aten.mm.default not in targets

@@ -73,6 +73,21 @@ def _linear_backward(ctx, grad):
 linear.register_autograd(_linear_backward, setup_context=_linear_context)
 
 
+def _rows_merged(x: torch.Tensor) -> torch.Tensor:
+    """``x`` (the mapped dimension first, then the one-row program's leading dimension) with both as one dimension,
+    strided as eager's tensor of the whole call is: eager chooses kernels by strides, those of size-1 dimensions too
+    (``matmul`` folds ``[R, 1, K]`` into one product only where ``stride(0) == stride(1)``), and ``flatten`` may give a
+    size-1 dimension another stride."""
+    rows, first = x.shape[:2]
+    if first == 1:
+        merged = x.stride(0)
+    elif x.stride(0) == x.stride(1) * first:
+        merged = x.stride(1)
+    else:  # not one strided dimension: eager's tensor is a copy too
+        return x.flatten(0, 1)
+    return x.as_strided((rows * first, *x.shape[2:]), (merged, *x.stride()[2:]), x.storage_offset())
+
+
 @linear.register_vmap
 def _linear_rows(info, in_dims, x, weight, bias):
     """The rows of the whole call in one ``F.linear``, as eager is given them: the mapped dimension and the one-row
@@ -86,7 +101,7 @@ def _linear_rows(info, in_dims, x, weight, bias):
     x = x.movedim(x_dim, 0)
     if x.dim() < 3:  # one vector per row: the rows are the product's rows
         return F.linear(x, weight, bias), 0
-    out = F.linear(x.flatten(0, 1), weight, bias)
+    out = F.linear(_rows_merged(x), weight, bias)
     return out.unflatten(0, x.shape[:2]), 0
 
 
