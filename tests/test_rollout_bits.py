@@ -125,3 +125,17 @@ def test_an_addmm_the_module_calls_stays_one_addmm_over_the_rows():
     graph = wrapped.engine.rowwise[1.0].forward_graph.graph
     targets = [n.target for n in graph.nodes if n.op == "call_function"]
     assert torch.ops.aten.addmm.default in targets and torch.ops.aten.mm.default not in targets
+
+
+def test_the_digits_runs_first_step_is_natives_to_the_bit_in_float32():
+    """The benchmark's digits run (``benchmarks.equivalence``): its first step's rollout, samples and rewards, is
+    native's bit for bit; no served gradient has moved the weights yet (later steps drift by the backward's rounding,
+    docs/equivalence-bits.md)."""
+    from benchmarks.equivalence import PROMPTS, _trainer
+
+    native, auto = _trainer("float32"), leancompile.optimize(_trainer("float32"))
+    native.step(PROMPTS)
+    stats = auto.step(PROMPTS)
+    assert auto.plan.schedule in ("retain", "reweight") and stats["served_calls"] > 0
+    assert torch.equal(native.last_rollout.latents, auto.last_rollout.latents)
+    assert torch.equal(native.last_rollout.rewards, auto.last_rollout.rewards)
