@@ -179,7 +179,10 @@ class RowwiseBackbone:
                 # Kernels without a batching rule (the CPU attention kernels) trace as one call per row, which
                 # fold_per_row_calls folds back into one. PyTorch warns about it; it is expected here.
                 device = leaves[-1].device  # the last data input (forward) or the cotangent (backward)
-                with torch.autocast(device.type, enabled=False), warnings.catch_warnings():
+                # A forward is traced without grad, as the rollout's calls it answers run: eager picks some kernels
+                # by whether a tensor requires grad (a weight cast by autocast requires it only with grad).
+                grad = torch.no_grad() if forward else contextlib.nullcontext()
+                with torch.autocast(device.type, enabled=False), warnings.catch_warnings(), grad:
                     warnings.filterwarnings("ignore", message="There is a performance drop")
                     gm = make_fx(fn, EAGER_DECOMPOSITIONS, tracing_mode="fake")(*args)
                 name = (f"{'forward' if forward else 'backward'} over {key[1]} rows"
