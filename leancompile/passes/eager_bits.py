@@ -9,13 +9,16 @@ than eager's, the rounding differs.
 they are contiguous, a copy first or a ``bmm`` when they are not (a slice of the attention's output is contiguous at
 one row and not at ``R``), a fold into one product when the weight requires grad. At one row the partition has
 already chosen, for one row. So the one-row partition is traced with each ``F.linear`` kept whole, as the operator
-``leancompile::linear`` (:func:`keeping_linear_whole`, autocast's casts made explicit before it), and its batching
+``leancompile::linear`` (:func:`keeping_whole`, autocast's casts made explicit before it), and its batching
 rule calls ``F.linear`` on the rows of the whole call, laid out as eager's input is: ``vmap`` then traces the kernels
 eager runs at that batch. Its gradient is the linear layer's (exact in real arithmetic; the backward's products
 round as autograd's do up to their order). ``Tensor.contiguous()`` is kept whole the same way
 (``leancompile::contiguous``): at one row it returns its input, at ``R`` rows eager copies (the attention's output
-before its projection), and the copy decides the product's kernel. Where the program runs without ``vmap`` (one row)
-the operators are traced as the functions they keep (:data:`EAGER_DECOMPOSITIONS`).
+before its projection), and the copy decides the product's kernel. A floating ``full`` / ``zeros`` / ``ones`` of one
+row is kept whole as ``leancompile::full_rows``: eager makes it at the call's batch (Flux's guidance,
+``torch.full((batch,), g)``) and the products it feeds run over all rows, where ``vmap`` would compute it once and
+its products at one row (float32 ``gemm`` rounds otherwise at ``M = 1``). Where the program runs without ``vmap``
+(one row) the operators are traced as the functions they keep (:data:`EAGER_DECOMPOSITIONS`).
 
 ``addmm``. A linear layer is ``addmm(bias, x, W)`` at one row, and eager runs that one ``addmm`` on the rows of
 the whole batch (``x`` flattened to ``[R * M, K]``). ``vmap``'s batching rule writes it as a product and an
@@ -125,19 +128,19 @@ def _contiguous_rows(info, in_dims, x):
     return x.movedim(in_dims[0], 0).contiguous(), 0
 
 
+def _full_rows_one(rows, size, value, dtype):
+    return torch.full(size, value, dtype=dtype, device=rows.device)
+
+
 @torch.library.custom_op("leancompile::full_rows", mutates_args=())
 def full_rows(rows: torch.Tensor, size: list[int], value: float, dtype: torch.dtype) -> torch.Tensor:
-    """``torch.full(size, value)`` with ``size[0]`` the call's rows, one per row of ``rows`` (read for its rows
-    alone)."""
-    return torch.full(size, value, dtype=dtype, device=rows.device)
+    """``torch.full(size, value)`` whose leading size 1 is the call's one row: one per row under ``vmap`` (``rows``,
+    a tensor of the call's rows, is read for its rows alone)."""
+    return _full_rows_one(rows, size, value, dtype)
 
 
-@full_rows.register_fake
-def _full_rows_fake(rows, size, value, dtype):
-    return torch.full(size, value, dtype=dtype, device=rows.device)
-
-
-full_rows.register_autograd(lambda ctx, grad: None)
+full_rows.register_fake(_full_rows_one)
+full_rows.register_autograd(lambda ctx, grad: (None, None, None, None))
 
 
 @full_rows.register_vmap
@@ -145,20 +148,11 @@ def _full_rows_rows(info, in_dims, rows, size, value, dtype):
     return torch.full([info.batch_size, *size], value, dtype=dtype, device=rows.device), 0
 
 
-def _full_rows_one(rows, size, value, dtype):
-    return torch.full(size, value, dtype=dtype, device=rows.device)
-
-
 # Where a traced program calls the operators outside ``vmap`` (one row), they are traced as the functions they keep.
 EAGER_DECOMPOSITIONS = {torch.ops.leancompile.linear.default: F.linear,
                         torch.ops.leancompile.contiguous.default: torch.Tensor.contiguous,
                         torch.ops.leancompile.full_rows.default: _full_rows_one}
-_FACTORIES = {torch.full: 1, torch.zeros: 0.0, torch.ones: 1.0}  # -> the value (full's: its argument)
-
-
-def _autocast_dtype(device: torch.device) -> torch.dtype | None:
-    kind = device.type
-    return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else None
+_FILLS = {torch.full: None, torch.zeros: 0.0, torch.ones: 1.0}  # the value each fills with (full: its argument)
 
 
 def _size(args) -> list[int] | None:
@@ -167,44 +161,60 @@ def _size(args) -> list[int] | None:
         else None
 
 
-class _LinearWhole(TorchFunctionMode):
+def _one_row_constant(func, args, kwargs, rows: torch.Tensor):
+    """``full_rows`` for a floating ``full`` / ``zeros`` / ``ones`` whose leading size is 1, on ``rows``' device and
+    with no other options; None for any other call."""
+    full = func is torch.full
+    size = _size(args[:1] if full else args)
+    value = (args[1] if len(args) > 1 else kwargs.get("fill_value")) if full else _FILLS[func]
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    # full infers an integer dtype from an integer value; zeros and ones take the default dtype
+    dtype = kwargs.get("dtype") or (torch.get_default_dtype() if not full or isinstance(value, float) else None)
+    device = torch.device(kwargs.get("device") or "cpu")
+    if (not size or size[0] != 1 or set(kwargs) - {"dtype", "device", "fill_value"} or dtype is None
+            or not dtype.is_floating_point or device != rows.device):
+        return None
+    return full_rows(rows, size, float(value), dtype)
+
+
+def _whole_linear(args, kwargs) -> torch.Tensor:
+    """``leancompile::linear`` for ``F.linear(*args, **kwargs)``, its inputs cast first as autocast casts them."""
+    x, weight, bias = (*args, None, None)[:3]
+    weight, bias = kwargs.get("weight", weight), kwargs.get("bias", bias)
+    kind = x.device.type
+    if torch.is_autocast_enabled(kind):  # autocast's linear: floating inputs but float64 to its dtype
+        dtype = torch.get_autocast_dtype(kind)
+        cast = lambda t: t.to(dtype) if t is not None and t.is_floating_point() and t.dtype != torch.float64 else t
+        x, weight, bias = cast(x), cast(weight), cast(bias)
+    return linear(x, weight, bias)
+
+
+class _Whole(TorchFunctionMode):
     def __init__(self, rows: torch.Tensor | None):
         super().__init__()
         self.rows = rows
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func in _FACTORIES and self.rows is not None:
-            full = func is torch.full
-            size = _size(args[:1] if full else args)
-            value = args[1] if full and len(args) > 1 else kwargs.get("fill_value", _FACTORIES[func])
-            dtype = kwargs.get("dtype") or torch.get_default_dtype()
-            extra = set(kwargs) - {"dtype", "device", "fill_value"}
-            device = torch.device(kwargs.get("device") or "cpu")
-            if (size and size[0] == 1 and not extra and device == self.rows.device and dtype.is_floating_point
-                    and isinstance(value, (int, float)) and not isinstance(value, bool)):
-                return full_rows(self.rows, size, float(value), dtype)
-        if func is torch.Tensor.contiguous and kwargs.get("memory_format", torch.contiguous_format) is \
-                torch.contiguous_format and len(args) == 1:
+        if func in _FILLS and self.rows is not None:
+            made = _one_row_constant(func, args, kwargs, self.rows)
+            if made is not None:
+                return made
+        if func is torch.Tensor.contiguous and len(args) == 1 and \
+                kwargs.get("memory_format", torch.contiguous_format) is torch.contiguous_format:
             return contiguous(args[0])
-        if func is not F.linear:
-            return func(*args, **kwargs)
-        x, weight, bias = (*args, *[None] * (3 - len(args)))[:3]
-        weight, bias = kwargs.get("weight", weight), kwargs.get("bias", bias)
-        dtype = _autocast_dtype(x.device)
-        if dtype is not None:  # autocast's cast for linear: floating inputs but float64 to its dtype
-            cast = lambda t: t.to(dtype) if t is not None and t.is_floating_point() and t.dtype != torch.float64 \
-                else t
-            x, weight, bias = cast(x), cast(weight), cast(bias)
-        return linear(x, weight, bias)
+        if func is F.linear:
+            return _whole_linear(args, kwargs)
+        return func(*args, **kwargs)
 
 
 @contextlib.contextmanager
-def keeping_linear_whole(rows: torch.Tensor | None = None):
+def keeping_whole(rows: torch.Tensor | None = None):
     """Inside, ``F.linear`` traces as ``leancompile::linear`` (its input cast as autocast casts it),
     ``Tensor.contiguous()`` as ``leancompile::contiguous`` and, given a tensor ``rows`` of the call's rows, a
     floating ``full`` / ``zeros`` / ``ones`` of one row as ``leancompile::full_rows``."""
-    with _LinearWhole(rows):
+    with _Whole(rows):
         yield
 
 

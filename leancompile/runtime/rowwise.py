@@ -32,7 +32,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from ..backbones.checkpointing import without_checkpointing
 from ..passes import pipeline
-from ..passes.eager_bits import EAGER_DECOMPOSITIONS, keeping_linear_whole
+from ..passes.eager_bits import EAGER_DECOMPOSITIONS, keeping_whole
 from ..passes.graph import reading_data
 from ..passes.rowwise import random_operators
 from .calls import Call, OutputLayout, output_layout
@@ -120,7 +120,7 @@ class RowwiseBackbone:
         def forward(params, buffers, *tensors):
             args, kwargs = call.with_tensors(tensors)
             rows = next((t for t, row in zip(tensors, call.tensor_rows) if row), None)
-            with keeping_linear_whole(rows):  # decomposed at the call's batch, as eager decomposes it (passes.eager_bits)
+            with keeping_whole(rows):  # decomposed at the call's batch, as eager decomposes it (passes.eager_bits)
                 result = torch.func.functional_call(traced, (params, buffers), args, kwargs)
             tensor, layout, refusal = output_layout(result)
             if refusal is not None:
