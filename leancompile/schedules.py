@@ -227,9 +227,9 @@ PER_BLOCK = "run per transformer block (runtime.regional)"
 
 EXACTNESS = {
     Schedule.NATIVE: "native: the trainer's own program",
-    Schedule.RETAIN: ("exact in real arithmetic, float64 within rounding: the per-row program rounds differently "
-                      "from native's eager kernels, so a float32 or bf16 run drifts from native's (bitwise=True "
-                      "keeps its bits)"),
+    Schedule.RETAIN: ("exact in real arithmetic, float64 within rounding: the rollout's kept calls return native's "
+                      "bits, but the per-row backward rounds differently from native's, so a float32 or bf16 run "
+                      "drifts from native's after its first optimizer step (bitwise=True keeps its bits)"),
     Schedule.REWEIGHT: ("exact in real arithmetic, float64 within rounding: the gradient is a combination of "
                         "provisional gradients, rounded differently from native's backward"),
 }

@@ -25,6 +25,7 @@ class Rewrite(str, enum.Enum):
     CLAMPED = "clamped"  # a slice's open end closed to the dimension's size
     FOLDED = "folded per-row calls"  # ROWS per-row calls of one operator as one call
     SUMMED = "sum over rows of products as one product"  # a weight gradient over ROWS rows as one mm
+    FUSED = "bias fused into its product"  # vmap's mm + bias made eager's addmm again
 
     def __str__(self) -> str:
         return self.value

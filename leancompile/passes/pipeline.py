@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch.fx as fx
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
+from .eager_bits import fuse_biases_into_products
 from .identities import drop_copies_of_unshared_values, drop_multiplications_by_one, fold_views
 from .inplace import write_scatters_in_place
 from .matmul_order import order_matrix_products
@@ -37,6 +38,8 @@ class Pass:
     rewrite: Callable[[fx.GraphModule], int]
     new_values: bool = False  # later passes read the values of the nodes it makes: propagate them after it
     forward_only: bool = False  # runs on forward graphs only
+    # runs on backward graphs only: it changes a product's rounding, and a kept call's forward returns eager's bits
+    backward_only: bool = False
     tuning: bool = False  # runs only where matrix products are tuned (``tune_matmuls``)
 
     @property
@@ -44,7 +47,8 @@ class Pass:
         return self.rewrite.__name__
 
     def applies(self, forward: bool, tune_matmuls: bool) -> bool:
-        return (forward or not self.forward_only) and (tune_matmuls or not self.tuning)
+        return ((forward or not self.forward_only) and (not forward or not self.backward_only)
+                and (tune_matmuls or not self.tuning))
 
 
 ONE_ROW_PARTITION = (
@@ -53,10 +57,11 @@ ONE_ROW_PARTITION = (
     Pass(prepare_for_rows),
 )
 TRACED_ROWS = (
+    Pass(fuse_biases_into_products),
     Pass(fold_per_row_calls, new_values=True),
     Pass(sum_products_over_rows, new_values=True),
     Pass(write_scatters_in_place, forward_only=True),
-    Pass(order_matrix_products, tuning=True),
+    Pass(order_matrix_products, tuning=True, backward_only=True),
     Pass(fold_views),
 )
 

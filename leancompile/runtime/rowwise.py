@@ -28,6 +28,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from ..backbones.checkpointing import without_checkpointing
 from ..passes import pipeline
+from ..passes.eager_bits import EAGER_DECOMPOSITIONS, keeping_whole
 from ..passes.graph import reading_data
 from ..passes.rowwise import random_operators
 from .calls import Call, OutputLayout, output_layout
@@ -119,7 +120,10 @@ class RowwiseBackbone:
 
         def forward(params, buffers, *tensors):
             args, kwargs = call.with_tensors(tensors)
-            tensor, layout, refusal = output_layout(torch.func.functional_call(traced, (params, buffers), args, kwargs))
+            rows = next((t for t, row in zip(tensors, call.tensor_rows) if row), None)
+            with keeping_whole(rows):  # decomposed at the call's batch, as eager decomposes it (passes.eager_bits)
+                result = torch.func.functional_call(traced, (params, buffers), args, kwargs)
+            tensor, layout, refusal = output_layout(result)
             if refusal is not None:
                 raise ValueError(refusal)
             outputs.append(layout)
@@ -176,8 +180,11 @@ class RowwiseBackbone:
                 # Kernels without a batching rule (the CPU attention kernels) trace as one call per row, which
                 # fold_per_row_calls folds back into one. PyTorch warns about it; it is expected here.
                 device = leaves[-1].device  # the last data input (forward) or the cotangent (backward)
-                with torch.autocast(device.type, enabled=False), _quiet_vmap_fallback():
-                    gm = make_fx(fn, tracing_mode="fake")(*args)
+                # A forward is traced without grad, as the rollout's calls it answers run: eager picks some kernels
+                # by whether a tensor requires grad (a weight cast by autocast requires it only with grad).
+                grad = torch.no_grad() if forward else contextlib.nullcontext()
+                with torch.autocast(device.type, enabled=False), _quiet_vmap_fallback(), grad:
+                    gm = make_fx(fn, EAGER_DECOMPOSITIONS, tracing_mode="fake")(*args)
                 name = (f"{'forward' if forward else 'backward'} over {key[1]} rows"
                         + (", gradients per row" if not forward and key[2] else ""))
                 pipeline.run(pipeline.TRACED_ROWS, gm, name, self.history, forward, self.tune_matmuls)
