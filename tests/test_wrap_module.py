@@ -234,3 +234,27 @@ def test_auto_keeps_serving_where_the_program_is_not_slower(monkeypatch):
         _update(wrapped, **inputs)
         optimizer.step()
     assert wrapped.stats()["served_calls"] == 2
+
+
+def test_an_engine_that_fails_leaves_the_loop_running_natively_and_says_why(monkeypatch):
+    """Anything the engine cannot handle (here its per-row program raising mid-call) runs the module natively from
+    then on: the loop's gradient is native's, and the warning and stats say why."""
+    from leancompile.runtime.rowwise import RowwiseBackbone
+
+    def broken(*_):
+        raise RuntimeError("no kernel for this")
+
+    monkeypatch.setattr(RowwiseBackbone, "forward", broken)
+    module, inputs = _sd3()
+    native = _update(module, **inputs)
+    wrapped = leancompile.wrap(module)
+    with pytest.warns(leancompile.NothingServedWarning, match="the engine failed .*no kernel for this"):
+        with torch.no_grad():
+            out = wrapped(**inputs, return_dict=False)[0]
+    grads = _update(wrapped, **inputs)
+    torch.testing.assert_close(grads, native, rtol=1e-10, atol=1e-12)
+    stats = wrapped.stats()
+    assert stats["served_calls"] == 0 and stats["recompute_reasons"] == {"unsupported": 1}, stats
+    leancompile.unwrap(wrapped)
+    with torch.no_grad():
+        assert torch.equal(out, module(**inputs, return_dict=False)[0])
