@@ -258,3 +258,30 @@ def test_an_engine_that_fails_leaves_the_loop_running_natively_and_says_why(monk
     leancompile.unwrap(wrapped)
     with torch.no_grad():
         assert torch.equal(out, module(**inputs, return_dict=False)[0])
+
+
+@pytest.mark.parametrize("head_dtype", [torch.float32, torch.float64])
+def test_per_block_reweight_under_a_head_computing_in_float32_is_served_exact_to_its_precision(head_dtype):
+    """FlowGRPO's update casts the transformer's output with ``.float()`` before its loss: over a float64 module the
+    heads' cotangents carry float32's rounding, and per block too the span test allows that rounding, no more."""
+    module, inputs = _sd3()
+    advantages = torch.tensor([0.3, -1.7, 2.9], dtype=torch.float64)
+
+    def loss(m, a):
+        out = m(**inputs, return_dict=False)[0].to(head_dtype)
+        return (a * out.square().mean((1, 2, 3))).sum().to(torch.float64)
+
+    native = module
+    native.zero_grad()
+    loss(native, advantages).backward()
+    expected = _grads(native)
+    wrapped = leancompile.wrap(module, schedule="reweight", per_block=True)
+    wrapped.zero_grad(set_to_none=True)
+    with torch.no_grad():
+        wrapped(**inputs, return_dict=False)
+    wrapped.provisional(lambda a: loss(wrapped, torch.full((3,), a, dtype=torch.float64)))
+    loss(wrapped, advantages).backward()
+    stats = wrapped.stats()
+    assert stats["served_calls"] > 0 and stats["recomputed_calls"] == 0, stats
+    # SD3's qk-norm computes in float32 whatever the module's dtype: Reweight's combination rounds there too
+    torch.testing.assert_close(_grads(wrapped), expected, rtol=1e-5, atol=1e-5 * expected.abs().max())

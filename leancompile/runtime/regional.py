@@ -42,7 +42,7 @@ from ..passes.pipeline import PassHistory
 from .calls import Call, bound, output_layout
 from .engine import KeptCall, Match, ReuseEngine, ScheduleRuntime, StepLog
 from .identity import TRAINING_FLAGS, CallState, StateReader, row_keys
-from .reweight import Reweight
+from .reweight import LowestPrecision, Reweight, coarsest
 from .reweight_blocks import BlockProvisional, Coefficients, Heads
 from .rowwise import RowwiseBackbone, _compiling
 
@@ -82,6 +82,7 @@ class RegionalEngine:
         self.reader = StateReader(backbone)
         self._calls: list[KeptCall] = []  # the kept backbone calls (inputs and state; the blocks keep the rest)
         self._stale: str | None = None  # why the kept calls were last freed, where the weights changed
+        self._precision: torch.dtype | None = None  # the coarsest the heads' cotangents were computed in
         self._index: dict[tuple, list[tuple[KeptCall, int]]] = {}
         self._current: tuple = _IDLE
         self._keeping = self._passing = False
@@ -185,7 +186,7 @@ class RegionalEngine:
                 # Which of two equal kept rows a block serves is its own engine's choice: its provisional gradient
                 # must be the one these coefficients are found for, so equal kept rows are not told apart.
                 return (None, "Reweight per block: a row equals several kept rows", "inputs"), None, None
-            return matched, None, Coefficients(Match(tuple(candidates[0] for candidates in places)))
+            return matched, None, Coefficients(Match(tuple(candidates[0] for candidates in places)), self._precision)
         if matched[0] is not None or self.admit is None or torch.is_grad_enabled():
             return matched, None, None
         action = self.admit(call)
@@ -311,7 +312,7 @@ class RegionalEngine:
 
     def _forget(self) -> None:
         """Drop every kept call: made with other weights, they can never be matched again."""
-        self._calls, self._index = [], {}
+        self._calls, self._index, self._precision = [], {}, None
         self._values.release()
         self._fingerprint, self._checked = None, True
         for engine in self.engines:
@@ -354,8 +355,11 @@ class RegionalEngine:
                 for heads_.current, loss in enumerate(losses):
                     # The output's cotangent first: a head without this term (the advantage-free head of a loss
                     # with none) is zero there, and backpropagates nothing into the blocks
-                    cotangents = torch.autograd.grad(loss, outputs, retain_graph=True, allow_unused=True,
-                                                     materialize_grads=True) if loss.requires_grad and outputs else ()
+                    with LowestPrecision() as seen:  # a float32 head over a float64 module rounds as float32
+                        cotangents = torch.autograd.grad(loss, outputs, retain_graph=True, allow_unused=True,
+                                                         materialize_grads=True) if loss.requires_grad and outputs \
+                            else ()
+                    self._precision = coarsest(self._precision, seen.dtype)
                     if self._every_rank(any(bool(c.any()) for c in cotangents), token.device):
                         if not outputs:
                             raise RuntimeError(

@@ -152,9 +152,10 @@ class Coefficients:
     its span there by more than the module's dtype alone would, though the blocks' gradients are the same
     linear function of it. ``values`` None: not in the span, the blocks recompute."""
 
-    def __init__(self, places: Match):
+    def __init__(self, places: Match, precision: torch.dtype | None = None):
         self.places = places  # (kept backbone call, row) per row of the call; each kept call's ``rows`` holds
         # (rows, heads, output size): the heads' cotangents
+        self.precision = precision  # the coarsest the heads' cotangents were computed in (None: their dtype)
         self.values: torch.Tensor | None = None
 
     @property
@@ -187,7 +188,8 @@ class _AtOutput(torch.autograd.Function):
                     kept.rows[:, heads.current].index_add_(0, rows, flat.index_select(0, positions))
         elif all(isinstance(kept.rows, torch.Tensor) for kept, _, _ in groups):
             order = torch.cat([positions for _, _, positions in groups])
-            found = in_span(torch.cat([kept.rows.index_select(0, rows) for kept, rows, _ in groups]), flat[order])
+            found = in_span(torch.cat([kept.rows.index_select(0, rows) for kept, rows, _ in groups]), flat[order],
+                            this.precision)
             if found is not None:
                 this.values = torch.empty_like(found).index_copy_(0, order, found)
         return None, None, cotangent
