@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 from torch._functorch import config as functorch_config
 
+from ..passes.eager_bits import keeping_whole
 from ..backbones import Conditioning
 from ..backbones.checkpointing import without_checkpointing
 from ..passes.graph import reading_data
@@ -48,7 +49,8 @@ def partition_saved_bytes(backbone, x, sigma, cond: Conditioning, memory_budget:
     params, buffers, graphs = dict(backbone.named_parameters()), dict(backbone.named_buffers()), {}
 
     def forward(params, buffers, x, sigma, text, pooled):
-        return torch.func.functional_call(backbone, (params, buffers), (x, sigma, Conditioning(text, pooled)))
+        with keeping_whole(x):  # as the per-row program partitions it (passes.eager_bits)
+            return torch.func.functional_call(backbone, (params, buffers), (x, sigma, Conditioning(text, pooled)))
 
     def keep_forward(gm, _):
         graphs["forward"] = gm
@@ -75,7 +77,8 @@ def block_saved_bytes(block, args: tuple, kwargs: dict, memory_budget: float = 1
         for i, value in zip(tensors, values):
             flat[i] = value
         call_args, call_kwargs = torch.utils._pytree.tree_unflatten(flat, spec)
-        out = torch.func.functional_call(block, (params, buffers), call_args, call_kwargs)
+        with keeping_whole(values[0] if values else None):  # as the per-row program partitions it
+            out = torch.func.functional_call(block, (params, buffers), call_args, call_kwargs)
         out = tuple(t for t in torch.utils._pytree.tree_flatten(out)[0] if isinstance(t, torch.Tensor))
         outputs.append(len(out))
         return out
