@@ -7,14 +7,14 @@ TORCH_PIN := torch==2.13.0
 
 .PHONY: demo test test-fast bench bench-distributed clean
 
+# DeepSpeed (ZeRO-2 through accelerate: FlowGRPO's multi-GPU configuration, tested on the CPU) is published as
+# source only: built against the torch installed before it (an isolated build would fetch a torch of its own),
+# without its CUDA operators.
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH_PIN)"
 	$(PY) -m pip install -q -e ".[test,demo]"
-	# DeepSpeed (ZeRO-2 through accelerate: FlowGRPO's multi-GPU configuration, tested on the CPU) is published as
-	# source only: built against the torch installed above (an isolated build would fetch a torch of its own),
-	# without its CUDA operators.
 	DS_BUILD_OPS=0 $(PY) -m pip install -q --no-build-isolation "deepspeed==0.19.8"
 	touch $@
 
