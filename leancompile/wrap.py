@@ -42,7 +42,7 @@ from .backbones.plain import WRAPPED_CLASS, fully_sharded
 from .passes.pipeline import PassHistory
 from .plan import Action, Schedule, StepAction
 from .runtime.bitwise import BitwiseRetain
-from .runtime.calls import Call, bound, output_layout
+from .runtime.calls import Call, bound, call_signature, output_layout
 from .runtime.engine import CallRecord, ReuseEngine
 from .runtime.identity import TRAINING_FLAGS
 from .runtime.regional import RegionalEngine, transformer_blocks
@@ -236,18 +236,23 @@ class _Runtime:
         self.options, self.strict = options, strict
         self.notes: list[CallRecord] = []  # what the wrapper itself decided (a refusal, a descent)
         self.below: tuple[str, torch.nn.Module] | None = None  # (name, submodule) serving the calls refused here
-        self.refused: dict[tuple, bool] = {}  # per program key refused here: whether the submodule serves it
+        self.refused: dict[tuple, bool] = {}  # per call signature: whether the submodule serves such calls
         self.window: list[CallRecord] = []  # the calls since the last optimizer step over the module's weights
         self.served_ever = False
         self.warned: set[str] = set()
         self.watched = True  # by the optimizer-step watch (a submodule serving after a descent: by its parent's)
-
         self.refusal = _framework_refusal(module)
         self._build(module)
 
-    def _build(self, module: torch.nn.Module) -> None:
+    def _read_parameters(self, module: torch.nn.Module) -> None:
+        """The module's parameters as they are now: which the engine reads, which the optimizer-step watch follows,
+        and whether a submodule could serve calls this module's program cannot keep."""
         self.registrations, self.parameters = _REGISTRATIONS[0], [id(p) for p in module.parameters()]
         self.trainable = [p for p in module.parameters() if p.requires_grad]
+        self.descendable = _largest_trainable_child(module) is not None
+
+    def _build(self, module: torch.nn.Module) -> None:
+        self._read_parameters(module)
         self.engine, self.admission = _engine(module, **self.options)
         # auto: native's time per row for a kept call without grad and again with grad and its backward, measured
         # at the first kept call and compared with the program's own once calls were served (nan: not measured;
@@ -321,15 +326,15 @@ class _Runtime:
                 self._build(module)
             else:  # wrapped before FSDP1 flattened it: say so now, and watch the steps over its new parameters
                 self.engine.release()
-                self.parameters = [id(p) for p in module.parameters()]
-                self.trainable = [p for p in module.parameters() if p.requires_grad]
+                self._read_parameters(module)
                 warnings.warn(f"leancompile.wrap: {self.refusal}", NothingServedWarning, stacklevel=4)
 
     def _descends(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> bool:
         """Whether calls like this one are served by a submodule: at the first such call without grad, where the
         module's one-row program is refused (the output is not row-laid: a loss over every row, a mask), the
         submodule holding most of the trainable parameters is wrapped alike and serves them, run natively here."""
-        if not isinstance(self.engine, ReuseEngine) or self.engine.answering_with_leaves_now:
+        if not (self.descendable or self.below) or not isinstance(self.engine, ReuseEngine) \
+                or self.engine.answering_with_leaves_now:
             return False
         call = Call.of(args, kwargs, self.engine.shared)
         if call.refusal is not None:
@@ -432,11 +437,11 @@ def _named_forward(module: torch.nn.Module):
     while id(module) not in seen:
         seen.add(id(module))
         forward = module.forward
-        try:
-            kinds = {p.kind for p in inspect.signature(forward).parameters.values()}
-        except (TypeError, ValueError):
+        signature = call_signature(forward)
+        if signature is None:
             return forward
-        if not kinds <= {inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD}:
+        if not {p.kind for p in signature.parameters.values()} <= {inspect.Parameter.VAR_POSITIONAL,
+                                                                    inspect.Parameter.VAR_KEYWORD}:
             return forward
         inner = module.get_base_model() if hasattr(module, "get_base_model") else getattr(module, "module", None)
         if not isinstance(inner, torch.nn.Module):

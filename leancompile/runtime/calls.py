@@ -92,12 +92,21 @@ class Call:
         return pytree.tree_unflatten(leaves, self.spec)
 
 
+def call_signature(forward, skip_first: bool = False) -> inspect.Signature | None:
+    """The signature a call of ``forward`` binds to, without the module's own parameter where ``forward`` is a
+    method (or ``skip_first``: an unbound function whose first parameter is the module); None where it has none."""
+    function = getattr(forward, "__func__", forward)
+    return _signature(function, skip_first or function is not forward)
+
+
 @functools.lru_cache(maxsize=256)
-def _signature(function) -> inspect.Signature | None:
+def _signature(function, skip_first: bool) -> inspect.Signature | None:
     try:
-        return inspect.signature(function)
+        signature = inspect.signature(function)
     except (TypeError, ValueError):  # a builtin or a callable without one
         return None
+    parameters = list(signature.parameters.values())
+    return signature.replace(parameters=parameters[1:] if skip_first else parameters)
 
 
 def bound(forward, args: tuple, kwargs: dict, skip_first: bool = False) -> tuple[tuple, dict]:
@@ -107,14 +116,10 @@ def bound(forward, args: tuple, kwargs: dict, skip_first: bool = False) -> tuple
     name (positional-only ones, ``*args``) stay positional. Arguments ``forward`` does not bind are left as they
     are (the module raises its own error when it runs). ``skip_first``: ``forward`` is an unbound function whose
     first parameter (the module) is not among ``args``."""
-    function = getattr(forward, "__func__", forward)
-    signature = _signature(function)
+    signature = call_signature(forward, skip_first)
     if signature is None:
         return args, kwargs
     parameters = list(signature.parameters.values())
-    if skip_first or function is not forward:  # a method: its first parameter is the module
-        parameters = parameters[1:]
-    signature = signature.replace(parameters=parameters)
     try:
         arguments = signature.bind(*args, **kwargs).arguments
     except TypeError:
