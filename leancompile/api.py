@@ -11,14 +11,12 @@ from .cost import planner as cost_planner
 from .cost.devices import get_device, live_device
 from .cost.scenario import reweight_buffers, trainer_scenario
 from .optimized import optimized_class
-from .plan import Action, Plan, Schedule, SharedCall, StepAction
+from .plan import AUTO, Action, Plan, Schedule, SharedCall, StepAction
 from .protocol import check_protocol
 from .runtime.engine import ReuseEngine
-from .runtime.reweight import Reweight
-from .schedules import EXACTNESS, SCHEDULES, Analyses, Request, estimators, refusals
+from .request import Request
+from .schedules import EXACTNESS, SCHEDULES, Analyses, estimators, refusals
 
-AUTO = "auto"
-REQUESTS = (AUTO, *(str(name) for name in SCHEDULES), str(Schedule.NATIVE))
 
 REUSE_RULE = ("per backbone call, verified when it happens: every row's inputs bitwise equal to a kept row's, the "
               "same weights (version counters; a fingerprint once per update phase), training flags, adapters and "
@@ -69,30 +67,8 @@ def optimize(trainer, schedule: str = "auto", memory_budget: float | None = None
         The optimized trainer, with ``.plan``, ``.graphs``, ``.pass_history`` (every pass run, at compile time
         and when the per-row program compiles at the first step) and ``.explain()``.
     """
-    if schedule not in REQUESTS:
-        raise ValueError(f"schedule must be one of {REQUESTS}; got {schedule!r}")
-    if memory_budget is not None and not 0 <= memory_budget <= 1:
-        raise ValueError(f"memory_budget must be a fraction in [0, 1] of the saved activations; got {memory_budget!r}")
-    if not isinstance(strict, bool):
-        raise ValueError(f"strict must be True or False; got {strict!r}")
-    if not isinstance(bitwise, bool):
-        raise ValueError(f"bitwise must be True or False; got {bitwise!r}")
-    if bitwise and memory_budget is not None and memory_budget < 1:
-        raise ValueError(f"memory_budget={memory_budget!r} with bitwise=True: partial retention recomputes part of the "
-                         "forward in the per-row program, which is not bitwise; drop one of them")
-    if per_block is not None and not isinstance(per_block, bool):
-        raise ValueError(f"per_block must be True, False or None; got {per_block!r}")
-    if per_block and bitwise:
-        raise ValueError("per_block=True runs each block's compiled partition; it cannot serve bitwise=True (which "
-                         "keeps the eager graph of the whole call): drop one of them")
-    if not isinstance(tune_matmuls, bool):
-        raise ValueError(f"tune_matmuls must be True or False; got {tune_matmuls!r}")
-    if memory_limit is not None and (not isinstance(memory_limit, int) or memory_limit <= 0):
-        raise ValueError(f"memory_limit must be a positive number of bytes; got {memory_limit!r}")
-    if samples_per_step is not None and (not isinstance(samples_per_step, int) or samples_per_step < 2):
-        raise ValueError(f"samples_per_step must be an integer >= 2; got {samples_per_step!r}")
-    request = Request(schedule, memory_budget, strict, memory_limit, samples_per_step, device, per_block,
-                      tune_matmuls, bitwise)
+    request = Request(schedule, "optimize", memory_budget, strict, memory_limit, samples_per_step, device,
+                      per_block, tune_matmuls, bitwise)
     check_protocol(trainer)
     history = passes.PassHistory()
     # Traced and analysed on the whole weights' shapes (FSDP2: fake tensors, nothing gathered; trainers.parallel).
@@ -119,11 +95,12 @@ def optimize(trainer, schedule: str = "auto", memory_budget: float | None = None
 def _reference_engine(trainer, engine) -> ReuseEngine | None:
     """Reweight's loss heads run the trainer's loss, its KL reference included, once per provisional advantage. A
     reference that is a module of its own (full fine-tuning's frozen copy; LoRA's is the backbone with adapters
-    disabled, whose calls the backbone's engine sees) gets an engine of its own, so that it runs once per kept row."""
+    disabled, whose calls the backbone's engine sees) gets an engine of its own, so that it runs once per kept row;
+    its calls are recorded in the backbone engine's log, in call order."""
     reference = getattr(trainer, "reference", None)
-    if engine is None or not isinstance(engine.schedule, Reweight) or not isinstance(reference, torch.nn.Module):
+    if engine is None or not engine.schedule.advantages or not isinstance(reference, torch.nn.Module):
         return None
-    return ReuseEngine(reference, engine.schedule, {})
+    return ReuseEngine(reference, engine.schedule, {}, log=engine.log)
 
 
 def _on_weights(trainer, backbone, trainable):

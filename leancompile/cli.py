@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 from . import __version__
-from .api import REQUESTS
+from .request import OPTIMIZE_SCHEDULES
 from .backbones.factory import REAL_MODELS
 from .backbones.families import FAMILIES
 from .schedules import SCHEDULES
@@ -63,7 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.add_argument("--family", choices=tuple(FAMILIES), default="sd3",
                       help="backbone family of the tiny random model (default: sd3)")
     tiny.add_argument("--trainer", choices=tuple(TRAINERS), default="flowgrpo", help="GRPO algorithm (default: flowgrpo)")
-    tiny.add_argument("--schedule", choices=REQUESTS, default="auto",
+    tiny.add_argument("--schedule", choices=OPTIMIZE_SCHEDULES, default="auto",
                       help="schedule passed to optimize(): auto (the planner's choice), native, or "
                       + "; ".join(f"{name} ({spec.summary})" for name, spec in SCHEDULES.items()) + " (default: auto)")
     _guidance_scale(tiny)
@@ -169,7 +169,7 @@ def _env() -> int:
     print("  leancompile.wrap(module): any nn.Module whose output rows depend only on the same input rows "
           "(diffusers Flux, SD3, Wan transformers with or without peft LoRA; causal LMs)")
     print(f"  built-in trainers (optimize): {', '.join(tuple(TRAINERS))} on families {', '.join(FAMILIES)}")
-    print(f"  schedules: {', '.join(REQUESTS)}; bitwise=True for native's bits (Retain)")
+    print(f"  schedules: {', '.join(OPTIMIZE_SCHEDULES)}; bitwise=True for native's bits (Retain)")
     print("  data parallel: DDP and FSDP2 (fully_shard), tested on 2 gloo ranks; FSDP1 (FullyShardedDataParallel) "
           "and DeepSpeed ZeRO-3 run natively with the reason; DeepSpeed ZeRO-2 served")
     print("  TRL GRPOTrainer: wrap(model) before the trainer (docs/trl.md); accelerate: served (docs/wrapping.md)")

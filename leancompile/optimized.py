@@ -3,8 +3,9 @@
 :func:`leancompile.optimize` returns a shallow copy of the trainer whose class is ``Optimized<Name>``, this mixin
 placed before the trainer's own class. During a step every ``self.backbone(...)`` call goes through the
 :class:`~leancompile.runtime.engine.ReuseEngine`, which serves a call from the rollout only where it verifies it;
-the overrides below only say which rollout calls to keep (the plan's trained steps) and, for Reweight, run the
-trainer's own loss head on each kept step. The update, its backward and its optimizer steps are the trainer's own.
+the overrides below only tell the engine's policy which rollout calls to keep (the plan's trained steps) and, for
+Reweight, run the trainer's own loss head on each kept step. The update, its backward and its optimizer steps are
+the trainer's own.
 """
 from __future__ import annotations
 
@@ -44,8 +45,7 @@ class Optimized:
             with contextlib.ExitStack() as routes:
                 backbone, _ = routes.enter_context(self.sync.whole_weights(self))
                 routes.enter_context(running(self, CalledAs(backbone, engine)))
-                if reference is not None:
-                    reference.log = engine.log  # one record of the step's calls, in call order
+                if reference is not None:  # its calls recorded in the engine's log (see api._reference_engine)
                     routes.enter_context(running(self, CalledAs(self.reference, reference), "reference"))
                 stats = super().step(prompts)
             stats["weight_gathers"] = self.sync.gathers - gathers
@@ -94,16 +94,16 @@ class Optimized:
             self._kept_now = ()
             if self._engine is None:
                 return super().rollout_velocity(step, rows, x, sigma, cond)
-            with self._engine.passing():  # a step no update trains: nothing to keep, nothing to look up
+            with self._engine.policy.passing():  # a step no update trains: nothing to keep, nothing to look up
                 return super().rollout_velocity(step, rows, x, sigma, cond)
-        with self._engine.keeping(action) as kept:
+        with self._engine.policy.keeping(action) as kept:
             velocity = super().rollout_velocity(step, rows, x, sigma, cond)
         self._kept_now = kept
         return velocity
 
     def rollout_step(self, step, rows, x, cond, sde):
         x_next, log_prob = super().rollout_step(step, rows, x, cond, sde)
-        if self._kept_now and hasattr(self._engine.schedule, "provisional"):
+        if self._kept_now and self._engine.schedule.advantages:
             self._provisional(step, rows, x, x_next, log_prob, cond)
         self._kept_now = ()
         return x_next, log_prob
@@ -125,7 +125,7 @@ class Optimized:
         with torch.enable_grad(), contextlib.ExitStack() as reference:
             if self._reference_engine is not None:  # the heads' reference calls run once; the update's are served
                 reference.enter_context(self._reference_engine.answering_with_leaves())
-            self._engine.provisional([head(a) for a in self._engine.schedule.advantages], list(self._kept_now))
+            self._engine.provisional([head(a) for a in self._engine.schedule.advantages])
 
     def optimizer_step(self):
         super().optimizer_step()

@@ -17,6 +17,9 @@ class Schedule(str, enum.Enum):
         return self.value
 
 
+AUTO = "auto"  # the request for the fastest program that fits, native included (the planner's choice)
+
+
 class Action(str, enum.Enum):
     """What the optimized trainer does with one denoising step's backbone calls."""
 

@@ -6,8 +6,8 @@ trainer (the analyses' records in hand), its ``estimate`` is the cost planner's 
 engine that runs it (:mod:`leancompile.runtime`). A refused schedule falls back to its ``fallback``.
 
 A new schedule takes three files: its member of :class:`~leancompile.plan.Schedule`, its runtime (a
-:class:`~leancompile.runtime.engine.ScheduleRuntime`: what a kept call keeps per row, and how a served call's
-backward turns its cotangent into gradients), and its :class:`ScheduleSpec` in ``SCHEDULES`` below.
+:class:`~leancompile.runtime.schedule_runtime.ScheduleRuntime`: its hooks, what a kept call keeps per row and how a
+served call's backward turns its cotangent into gradients), and its :class:`ScheduleSpec` in ``SCHEDULES`` below.
 """
 from __future__ import annotations
 
@@ -23,26 +23,14 @@ from .cost.planner import (Estimate, Estimator, StepModel, all_steps, estimate_r
                            reweight_per_block)
 from .plan import Action, Linearity, Refusal, Schedule, StepAction
 from .runtime.bitwise import BitwiseRetain
-from .runtime.engine import ReuseEngine, ScheduleRuntime
+from .request import Request
+from .runtime.engine import ReuseEngine
+from .runtime.policy import StepPolicy
 from .runtime.regional import RegionalEngine
 from .runtime.retain import Retain
 from .runtime.reweight import Reweight
 from .runtime.rowwise import RowwiseBackbone
-
-
-@dataclass(frozen=True)
-class Request:
-    """What the caller of ``optimize`` asked for."""
-
-    schedule: str  # "auto" or a Schedule's value
-    memory_budget: float | None = None  # the fraction of the saved activations a Retain partition may keep
-    strict: bool = False
-    memory_limit: int | None = None  # bytes the auto planner may use
-    samples_per_step: int | None = None
-    device: object = None  # the device the auto planner plans for
-    per_block: bool | None = None  # how the runtime runs Retain (see optimize)
-    tune_matmuls: bool = True
-    bitwise: bool = False
+from .runtime.schedule_runtime import ScheduleRuntime
 
 
 @dataclass(frozen=True)
@@ -276,14 +264,14 @@ def _engine(trainer, schedule: ScheduleRuntime, steps, request: Request, history
             backbone = trainer.sync.root
         blocks = [block for _, stack in backbone.block_stacks() for block in stack]
         return RegionalEngine(backbone, blocks, schedule.for_block, request.tune_matmuls, history,
-                              shared=backbone.spec.block_shared, fractions=tuple(fractions))
+                              shared=backbone.spec.block_shared, fractions=tuple(fractions), policy=StepPolicy())
     # The whole call runs on the weights the step runs on: the trainer's, or under FSDP2 its gathered copy (the
     # analyses ran on fake ones).
     with trainer.sync.whole_weights(trainer) as (backbone, _):
         pass
     rowwise = {f: RowwiseBackbone(backbone, f, tune_matmuls=request.tune_matmuls, history=history)
                for f in sorted(fractions)}
-    return ReuseEngine(backbone, schedule, rowwise, sync=trainer.sync)
+    return ReuseEngine(backbone, schedule, rowwise, StepPolicy(), sync=trainer.sync)
 
 
 _HOW = {Action.RETAIN: "the rollout keeps its activations for the update's calls",

@@ -99,7 +99,7 @@ def test_the_two_modes_are_one_graph_only_where_no_submodule_reads_its_flag_to_e
         model.eval()
         kept = engine.reader.read(call)
         model.train()
-        return engine._modes_differ(kept, engine.reader.read(call), call)
+        return engine._modes(kept, engine.reader.read(call), call)
 
     class Transposed(torch.nn.Module):  # batch norm over the features of (rows, tokens, features)
         def __init__(self, width):

@@ -6,14 +6,14 @@ import math
 import pytest
 
 from leancompile import backbones, optimize
-from leancompile.api import REQUESTS
+from leancompile.request import OPTIMIZE_SCHEDULES as REQUESTS, WRAP_SCHEDULES
 from leancompile.cli import main as cli
 from leancompile.cost import get_device, plan as cost_plan, trainer_scenario
 from leancompile.cost.scenario import reweight_buffers
 from leancompile.plan import Action, Schedule
 from leancompile.schedules import SCHEDULES, estimators
 from leancompile.trainers import FlowGRPOConfig, FlowGRPOTrainer
-from leancompile.wrap import WRAP_SCHEDULES, wrap
+from leancompile.wrap import wrap
 
 from conftest import PromptTable, mean_reward
 
@@ -39,7 +39,7 @@ def test_every_registered_schedule_is_offered_everywhere_it_could_run(capsys):
         assert optimize(_trainer(), name).plan.schedule == name
         wrapped = wrap(backbones.tiny("sd3", seed=0), schedule=name)
         assert type(wrapped.engine.schedule) is SCHEDULES[name].runtime
-        assert wrapped.engine.admit.action.kind is Action(name)
+        assert wrapped.engine.policy.action.kind is Action(name)
 
 
 @pytest.mark.fast

@@ -198,7 +198,7 @@ def test_auto_measures_the_program_against_native_and_runs_natively_where_it_is_
     """Native's time per row measured at the first kept call is made a thousandth of a nanosecond here, so that the
     program is slower whatever the machine: after the first optimizer step that followed served calls, auto keeps
     nothing more, says why, and the loop's gradient stays native's."""
-    monkeypatch.setattr(sys.modules["leancompile.wrap"], "_native_seconds", lambda *_: 1e-12)
+    monkeypatch.setattr(sys.modules["leancompile.wrap_runtime"], "_native_seconds", lambda *_: 1e-12)
     module, inputs = _sd3()
     wrapped = leancompile.wrap(module, schedule="auto")
     optimizer = torch.optim.SGD(wrapped.parameters(), lr=1e-3)
@@ -224,7 +224,7 @@ def test_auto_measures_the_program_against_native_and_runs_natively_where_it_is_
 
 
 def test_auto_keeps_serving_where_the_program_is_not_slower(monkeypatch):
-    monkeypatch.setattr(sys.modules["leancompile.wrap"], "_native_seconds", lambda *_: 1e6)
+    monkeypatch.setattr(sys.modules["leancompile.wrap_runtime"], "_native_seconds", lambda *_: 1e6)
     module, inputs = _sd3()
     wrapped = leancompile.wrap(module, schedule="auto")
     optimizer = torch.optim.SGD(wrapped.parameters(), lr=1e-3)

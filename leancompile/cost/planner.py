@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..plan import Action, Refusal, Schedule, StepAction
+from ..plan import AUTO, Action, Refusal, Schedule, StepAction
 from .devices import Device, GiB
 from .profile import PARTIAL_BUDGETS, CallProfile
 
@@ -34,7 +34,6 @@ if TYPE_CHECKING:
 
 MARGIN = 0.9  # of the device's free memory: allocator fragmentation and the CUDA context need the rest
 _SMALLEST_PARTIAL = 0.05  # a partial retention below this saves too little of a forward to be worth a compile
-AUTO = "auto"  # the planner's choice, an estimate beside the schedules'
 
 
 @dataclass(frozen=True)

@@ -26,8 +26,7 @@ import functools
 
 import torch
 
-from ..runtime.reweight import Reweight
-from ..wrap import Wrapped
+from ..wrapped import Wrapped
 
 # What ``compute_loss`` writes besides the loss (logged metrics, the adaptive entropy controller): the heads' runs
 # are not training steps, so the trainer gets these back as they were.
@@ -49,7 +48,7 @@ def reweight(trainer):
     if wrapped is None:
         raise ValueError("trainer.model is not wrapped: build the trainer on "
                          "model = leancompile.wrap(model, schedule='reweight')")
-    if not isinstance(wrapped.engine.schedule, Reweight):
+    if not wrapped.engine.schedule.advantages:
         raise ValueError("the trainer's model was wrapped with another schedule than Reweight; wrap it with "
                          "schedule='reweight'")
     args = trainer.args

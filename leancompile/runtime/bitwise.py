@@ -22,7 +22,8 @@ import torch
 
 from ..backbones.checkpointing import without_checkpointing
 from .calls import Call, output_layout
-from .engine import KeptCall, Match, ReuseEngine, ScheduleRuntime
+from .schedule_runtime import ScheduleRuntime
+from .store import KeptCall, Match
 
 
 @dataclass
@@ -38,7 +39,7 @@ class BitwiseRetain(ScheduleRuntime):
     def __init__(self):
         self._verdicts: dict[tuple, str | None] = {}  # per compile key: why its forward with grad is not native's
 
-    def refusal(self, engine: ReuseEngine, key: tuple, call: Call) -> str | None:
+    def refusal(self, engine, key: tuple, call: Call) -> str | None:
         """Once per compile key: the module's forward with grad must give its forward without grad's bits. Some
         kernels are chosen by grad mode (matmul folds a batch into one matrix product when a weight requires grad,
         and where the input's strides allow it otherwise), and then the rollout native runs is not the one a kept
@@ -52,7 +53,7 @@ class BitwiseRetain(ScheduleRuntime):
                 "bitwise: its forward with grad runs other kernels than without (not native's rollout bits)")
         return self._verdicts[key]
 
-    def forward(self, engine: ReuseEngine, rowwise, key: tuple, call: Call) -> tuple[torch.Tensor, list]:
+    def forward(self, engine, rowwise, key: tuple, call: Call) -> tuple[torch.Tensor, list]:
         weights = {p.untyped_storage().data_ptr() for p in rowwise.weights}
         saved: dict[int, int] = {}
         with torch.enable_grad(), without_checkpointing(engine.backbone), \
@@ -70,7 +71,7 @@ class BitwiseRetain(ScheduleRuntime):
             saved[storage.data_ptr()] = storage.nbytes()
         return t.detach()
 
-    def keep(self, engine: ReuseEngine, kept: KeptCall, saved: list, action) -> None:
+    def keep(self, engine, kept: KeptCall, saved: list, action) -> None:
         kept.rows = saved[0]
         kept.nbytes = saved[0].nbytes
 
@@ -83,7 +84,7 @@ class BitwiseRetain(ScheduleRuntime):
                     "the batch)", "batch")
         return None
 
-    def gradients(self, engine: ReuseEngine, match: Match, cotangent: torch.Tensor, inputs: tuple[int, ...] = (),
+    def gradients(self, engine, match: Match, cotangent: torch.Tensor, inputs: tuple[int, ...] = (),
                   context=None) -> list:
         kept = match.places[0][0]
         # retain_graph: a second epoch before any optimizer step backpropagates it again (native recomputes the

@@ -148,6 +148,26 @@ def bound(forward, args: tuple, kwargs: dict, skip_first: bool = False) -> tuple
     return tuple(positional), named
 
 
+def named_forward(module: torch.nn.Module):
+    """The forward whose signature names the call's arguments: a pass-through ``forward(*args, **kwargs)`` (peft's
+    ``PeftModel``, DDP) binds as the module it hands them to, so that ``x=None`` passed and omitted are one call."""
+    seen = set()
+    while id(module) not in seen:
+        seen.add(id(module))
+        forward = module.forward
+        signature = call_signature(forward)
+        if signature is None:
+            return forward
+        if not {p.kind for p in signature.parameters.values()} <= {inspect.Parameter.VAR_POSITIONAL,
+                                                                    inspect.Parameter.VAR_KEYWORD}:
+            return forward
+        inner = module.get_base_model() if hasattr(module, "get_base_model") else getattr(module, "module", None)
+        if not isinstance(inner, torch.nn.Module):
+            return forward
+        module = inner
+    return module.forward
+
+
 def _named(path, names: frozenset[str]) -> bool:
     """Whether a leaf's path lies under a keyword argument named in ``names``."""
     return len(path) > 1 and getattr(path[0], "idx", None) == 1 and getattr(path[1], "key", None) in names

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 import torch
 
 from ..plan import Action
-from .engine import KeptCall, Match, ReuseEngine, RowPick, ScheduleRuntime
+from .schedule_runtime import ScheduleRuntime
+from .store import KeptCall, Match, RowPick
 
 
 @dataclass
@@ -35,7 +36,7 @@ class Retain(ScheduleRuntime):
     def for_block(self) -> "Retain":
         return Retain(self.segments, self.pruned)
 
-    def keep(self, engine: ReuseEngine, kept: KeptCall, saved: list[torch.Tensor], action) -> None:
+    def keep(self, engine, kept: KeptCall, saved: list[torch.Tensor], action) -> None:
         rows = len(kept.output)
         keep = list(range(rows))
         if self.pruned and rows % self.segments == 0:
@@ -43,7 +44,7 @@ class Retain(ScheduleRuntime):
         if len(keep) < rows:
             pick = RowPick(keep)
             saved = [pick.of(t) for t in saved]
-        if getattr(action, "kind", None) is Action.OFFLOAD:
+        if action.kind is Action.OFFLOAD:
             pin = torch.cuda.is_available()
             saved = [t.to("cpu").pin_memory() if pin else t.to("cpu") for t in saved]
         position = [-1] * rows
@@ -52,7 +53,7 @@ class Retain(ScheduleRuntime):
         kept.rows = RetainedRows(saved, position)
         kept.nbytes = sum(t.numel() * t.element_size() for t in saved)
 
-    def gradients(self, engine: ReuseEngine, match: Match, cotangent: torch.Tensor,
+    def gradients(self, engine, match: Match, cotangent: torch.Tensor,
                   inputs: tuple[int, ...] = (), context=None) -> list[torch.Tensor] | None:
         device, total = cotangent.device, None
         rows_total = len(match.places)

@@ -19,13 +19,15 @@ Per transformer block, see :mod:`.reweight_blocks`.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .engine import KeptCall, Match, ReuseEngine, ScheduleRuntime
+from ..plan import StepAction
+from .schedule_runtime import ScheduleRuntime
+from .store import Found, KeptCall, Match
 
 
 @dataclass
@@ -42,7 +44,7 @@ class ProvisionalRows:
     precision: torch.dtype | None = None  # the coarsest the cotangents were computed in (None: their dtype)
 
     @classmethod
-    def settle(cls, engine: ReuseEngine, kept: KeptCall, basis: list[torch.Tensor] | None, gradients: list[list],
+    def settle(cls, engine, kept: KeptCall, basis: list[torch.Tensor] | None, gradients: list[list],
                inputs: dict[int, tuple[torch.Tensor, ...]] | None = None,
                precision: torch.dtype | None = None) -> None:
         """Replace ``kept``'s saved tensors by what ``basis`` gave (per cotangent, per parameter: ``gradients``)."""
@@ -54,7 +56,7 @@ class ProvisionalRows:
         held = (kept.rows.cotangents, *(g for per_basis in kept.rows.gradients for g in per_basis),
                 *(g for per_basis in kept.rows.inputs.values() for g in per_basis))
         nbytes = sum(t.numel() * t.element_size() for t in held if t is not None)
-        engine._count(nbytes - kept.nbytes)
+        engine.store.count(nbytes - kept.nbytes)
         kept.nbytes = nbytes
 
 
@@ -99,11 +101,27 @@ class Reweight(ScheduleRuntime):
     def for_block(self) -> "Reweight":
         return Reweight(len(self.advantages) > 1, input_gradients=True)
 
-    def keep(self, engine: ReuseEngine, kept: KeptCall, saved: list[torch.Tensor], action) -> None:
+    def block_context(self, found: Found, precision: torch.dtype | None) -> tuple[object, str | None]:
+        """The blocks' served calls combine their rows' provisional gradients with the coefficients the backbone
+        call's cotangent has at its output (:class:`Coefficients`)."""
+        if found.repeated:
+            # Which of two equal kept rows a block serves is its own engine's choice: its provisional gradient must
+            # be the one these coefficients are found for, so equal kept rows are not told apart.
+            return None, "Reweight per block: a row equals several kept rows"
+        return Coefficients(found.match, precision), None
+
+    def blocks_kept(self, action: StepAction, sizes: list[int]) -> tuple[range, StepAction]:
+        """``reweight@f``: the last blocks, holding the fraction f of the blocks' trainable parameters, keep their
+        calls whole for per-sample gradients; the first run natively, and recompute in the update."""
+        if action.fraction == 1:
+            return range(len(sizes)), action
+        return last_blocks(sizes, action.fraction), replace(action, fraction=1.0)
+
+    def keep(self, engine, kept: KeptCall, saved: list[torch.Tensor], action) -> None:
         kept.rows = saved  # until its provisional heads have run
         kept.nbytes = sum(t.numel() * t.element_size() for t in saved)
 
-    def provisional(self, engine: ReuseEngine, calls: list[KeptCall], heads) -> None:
+    def provisional(self, engine, calls: list[KeptCall], heads) -> None:
         """Backpropagate ``heads`` (callables returning the trainer's loss on the kept output) through ``calls``.
 
         Each head's backbone calls are answered with leaves of the kept values; the heads' cotangents on them form
@@ -157,7 +175,7 @@ class Reweight(ScheduleRuntime):
             rows.used[row] = True
         return None
 
-    def gradients(self, engine: ReuseEngine, match: Match, cotangent: torch.Tensor,
+    def gradients(self, engine, match: Match, cotangent: torch.Tensor,
                   inputs: tuple[int, ...] = (), context=None) -> list[torch.Tensor] | None:
         """``context``: a block's call, the backbone call's coefficients (runtime.reweight_blocks.Coefficients)."""
         groups = [(kept.rows, torch.tensor(rows, device=cotangent.device), torch.tensor(positions, device=cotangent.device))
@@ -230,3 +248,67 @@ def _consecutive(rows: list[int]) -> list[tuple[int, int]]:
         else:
             runs.append([row, row + 1])
     return [tuple(run) for run in runs]
+
+
+class Coefficients:
+    """Per block, at the backbone's output: the coefficients a served backbone call's cotangent has, row by row,
+    in the heads' cotangents its kept rows received there. Every block's served backward combines its per-row
+    gradients with them: set by the output's backward, which runs before any block's (the blocks feed the
+    output). Checked at the output, where the loop's loss hands the cotangent over, not at each block: the
+    module's own float32 islands between the output and a block (an RMSNorm's variance) round a cotangent off
+    its span there by more than the module's dtype alone would, though the blocks' gradients are the same
+    linear function of it. ``values`` None: not in the span, the blocks recompute."""
+
+    def __init__(self, places: Match, precision: torch.dtype | None = None):
+        self.places = places  # (kept backbone call, row) per row of the call; each kept call's ``rows`` holds
+        # (rows, heads, output size): the heads' cotangents
+        self.precision = precision  # the coarsest the heads' cotangents were computed in (None: their dtype)
+        self.values: torch.Tensor | None = None
+
+    @property
+    def key(self) -> tuple:
+        return tuple((id(kept), row) for kept, row in self.places.places)
+
+    def at_output(self, output: torch.Tensor, heads) -> torch.Tensor:
+        """``output`` through the function that, in its backward, records the cotangent as the current head's
+        (while provisional ``heads``, a :class:`~.reweight_blocks.Heads`, run; None: they do not) or finds the
+        coefficients."""
+        return _AtOutput.apply(self, heads, output)
+
+
+class _AtOutput(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, coefficients, heads, output):
+        ctx.coefficients, ctx.heads = coefficients, heads
+        return output.view_as(output)
+
+    @staticmethod
+    def backward(ctx, cotangent):
+        this, heads, flat = ctx.coefficients, ctx.heads, cotangent.flatten(1)
+        groups = [(kept, torch.tensor(rows, device=cotangent.device), torch.tensor(positions, device=cotangent.device))
+                  for kept, rows, positions in this.places.by_call()]
+        if heads is not None:
+            for kept, rows, positions in groups:
+                if kept.rows is None:
+                    kept.rows = flat.new_zeros((len(kept.inputs[0]), heads.count, flat.shape[1]))
+                    heads.recording.add(id(kept))
+                if id(kept) in heads.recording:
+                    kept.rows[:, heads.current].index_add_(0, rows, flat.index_select(0, positions))
+        elif all(isinstance(kept.rows, torch.Tensor) for kept, _, _ in groups):
+            order = torch.cat([positions for _, _, positions in groups])
+            found = in_span(torch.cat([kept.rows.index_select(0, rows) for kept, rows, _ in groups]), flat[order],
+                            this.precision)
+            if found is not None:
+                this.values = torch.empty_like(found).index_copy_(0, order, found)
+        return None, None, cotangent
+
+
+def last_blocks(sizes: list[int], fraction: float) -> range:
+    """The last blocks (their trainable parameters' ``sizes``) holding at most ``fraction`` of them (at least
+    one): Reweight keeps those nearest the output, so that the heads' backward stops at the first of them and
+    their forward runs the blocks before it without grad."""
+    budget, first, held = fraction * sum(sizes), len(sizes) - 1, sizes[-1]
+    while first > 0 and held + sizes[first - 1] <= budget:
+        first -= 1
+        held += sizes[first]
+    return range(first, len(sizes))

@@ -4,8 +4,9 @@ The heads' cotangents reach each block's kept call through the module's own auto
 is answered block by block with the kept outputs inside an autograd function (:class:`BlockProvisional`) whose
 backward runs the block's one-row backward on the kept rows, keeps the per-row gradients of the block's weights
 and inputs, and passes the inputs' gradients on to the blocks before it. At the backbone's output each head's
-cotangent is recorded; a served backbone call's cotangent is checked there against them (:class:`Coefficients`),
-and every block's served backward combines its rows' gradients with those coefficients, exact by linearity.
+cotangent is recorded; a served backbone call's cotangent is checked there against them
+(:class:`~.reweight.Coefficients`), and every block's served backward combines its rows' gradients with those
+coefficients, exact by linearity.
 """
 from __future__ import annotations
 
@@ -14,8 +15,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .engine import KeptCall, Match, ReuseEngine, RowPick
-from .reweight import ProvisionalRows, in_span
+from .reweight import ProvisionalRows
+from .store import KeptCall, Match, RowPick
 
 
 @dataclass
@@ -34,7 +35,7 @@ class BlockProvisional:
     the block's calls with grad during the heads, and keeps, per kept call and head, the per-row gradients of its
     weights and inputs that each row's cotangent gave."""
 
-    def __init__(self, engine: ReuseEngine, calls: list[KeptCall], heads: Heads):
+    def __init__(self, engine, calls: list[KeptCall], heads: Heads):
         self.engine, self.heads = engine, heads
         self.pending = {id(kept): kept for kept in calls
                         if kept.rowwise is not None and not isinstance(kept.rows, ProvisionalRows)}
@@ -141,55 +142,3 @@ class _ProvisionalBlock(torch.autograd.Function):
     def backward(ctx, cotangent):
         grads = ctx.recorder.backward(ctx.match, cotangent, ctx.inputs)
         return (None, None, None, None, *grads)
-
-
-class Coefficients:
-    """Per block, at the backbone's output: the coefficients a served backbone call's cotangent has, row by row,
-    in the heads' cotangents its kept rows received there. Every block's served backward combines its per-row
-    gradients with them: set by the output's backward, which runs before any block's (the blocks feed the
-    output). Checked at the output, where the loop's loss hands the cotangent over, not at each block: the
-    module's own float32 islands between the output and a block (an RMSNorm's variance) round a cotangent off
-    its span there by more than the module's dtype alone would, though the blocks' gradients are the same
-    linear function of it. ``values`` None: not in the span, the blocks recompute."""
-
-    def __init__(self, places: Match, precision: torch.dtype | None = None):
-        self.places = places  # (kept backbone call, row) per row of the call; each kept call's ``rows`` holds
-        # (rows, heads, output size): the heads' cotangents
-        self.precision = precision  # the coarsest the heads' cotangents were computed in (None: their dtype)
-        self.values: torch.Tensor | None = None
-
-    @property
-    def key(self) -> tuple:
-        return tuple((id(kept), row) for kept, row in self.places.places)
-
-    def at_output(self, output: torch.Tensor, heads: Heads | None) -> torch.Tensor:
-        """``output`` through the function that, in its backward, records the cotangent as the current head's
-        (while provisional ``heads`` run) or finds the coefficients."""
-        return _AtOutput.apply(self, heads, output)
-
-
-class _AtOutput(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, coefficients, heads, output):
-        ctx.coefficients, ctx.heads = coefficients, heads
-        return output.view_as(output)
-
-    @staticmethod
-    def backward(ctx, cotangent):
-        this, heads, flat = ctx.coefficients, ctx.heads, cotangent.flatten(1)
-        groups = [(kept, torch.tensor(rows, device=cotangent.device), torch.tensor(positions, device=cotangent.device))
-                  for kept, rows, positions in this.places.by_call()]
-        if heads is not None:
-            for kept, rows, positions in groups:
-                if kept.rows is None:
-                    kept.rows = flat.new_zeros((len(kept.inputs[0]), heads.count, flat.shape[1]))
-                    heads.recording.add(id(kept))
-                if id(kept) in heads.recording:
-                    kept.rows[:, heads.current].index_add_(0, rows, flat.index_select(0, positions))
-        elif all(isinstance(kept.rows, torch.Tensor) for kept, _, _ in groups):
-            order = torch.cat([positions for _, _, positions in groups])
-            found = in_span(torch.cat([kept.rows.index_select(0, rows) for kept, rows, _ in groups]), flat[order],
-                            this.precision)
-            if found is not None:
-                this.values = torch.empty_like(found).index_copy_(0, order, found)
-        return None, None, cotangent

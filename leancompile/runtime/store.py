@@ -1,0 +1,274 @@
+"""The kept calls of one module: what both engines (the whole call's, :mod:`.engine`, and the per-block one's,
+:mod:`.regional`) keep, index, match, verify and free.
+
+A kept call holds its rows' inputs (indexed by a digest of each row, :func:`~.identity.row_keys`), the tensors every
+row shares and its state (:class:`~.identity.CallState`); what else it holds is its engine's and its schedule's
+(output values, saved tensors, provisional gradients). A lookup finds, per row of a call, a kept row with the same
+digest in the same state, then checks the rows bitwise. Kept calls of other weights' versions can never match
+again (counters only grow) and are freed, and the reason is kept for the calls that follow. A fingerprint of the
+weights, taken when the first call is kept, is compared once per update phase: writes through ``.data`` move no
+version counter.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from .calls import Call, OutputLayout
+from .identity import DIFFERENCES, TRAINING_FLAGS, CallState, StateReader, row_keys
+
+
+@dataclass
+class KeptCall:
+    """One kept call."""
+
+    state: CallState
+    inputs: tuple[torch.Tensor, ...]  # what identifies its rows (Call.identity_rows), detached, rows on dimension 0
+    whole: tuple[torch.Tensor, ...]  # the tensors every row shares, detached
+    # Its output values (several output tensors packed into one, see calls.OutputLayout) and the module's output
+    # around them; None where its engine keeps no values (a backbone call whose blocks keep theirs)
+    output: torch.Tensor | None = None
+    layout: OutputLayout | None = None
+    rowwise: object = None  # the RowwiseBackbone that ran it (None: values only, e.g. a KL reference's)
+    key: tuple = ()  # its program's key in ``rowwise``
+    rows: object = None  # the schedule's per-row record (saved tensors, provisional gradients)
+    nbytes: int = 0  # what the schedule holds for it
+
+
+@dataclass(frozen=True)
+class Match:
+    """Where each row of a call was found: ``(kept call, row)`` in the call's row order."""
+
+    places: tuple[tuple[KeptCall, int], ...]
+
+    def gather(self) -> torch.Tensor:
+        """The kept output values of this call's rows, in its row order (one index per kept call); always a copy,
+        so that neither autograd nor the loop's in-place writes touch what is kept."""
+        groups = self.by_call()
+        if len(groups) == 1 and groups[0][2] == list(range(len(self.places))):
+            kept, rows, _ = groups[0]
+            return kept.output.index_select(0, torch.tensor(rows, device=kept.output.device))
+        out = None
+        for kept, rows, positions in groups:
+            values = kept.output.index_select(0, torch.tensor(rows, device=kept.output.device))
+            if out is None:
+                out = values.new_empty((len(self.places), *values.shape[1:]))
+            out.index_copy_(0, torch.tensor(positions, device=out.device), values)
+        return out
+
+    def output(self, tensor: torch.Tensor):
+        """``tensor`` (this call's packed output) as the module's output tree."""
+        return self.places[0][0].layout.unpack(tensor)
+
+    def by_call(self):
+        """``(kept call, its rows, positions in this call)`` for each kept call involved."""
+        groups: dict[int, tuple[KeptCall, list, list]] = {}
+        for position, (kept, row) in enumerate(self.places):
+            groups.setdefault(id(kept), (kept, [], []))[1].append(row)
+            groups[id(kept)][2].append(position)
+        return list(groups.values())
+
+
+@dataclass(frozen=True)
+class Found:
+    """A lookup's answer: the match, or why there is none (``reason``, and its ``kind`` for the statistics)."""
+
+    match: Match | None
+    reason: str = ""
+    kind: str = ""
+    repeated: bool = False  # some row of the call equals several kept rows in its state
+
+
+# ``agree(kept, state, call)``: why ``call`` in ``state`` computes differently from ``kept`` whose state differs
+# from it in training flags only (None: both modes compute the same, the call may be served)
+ModesAgree = Callable[[KeptCall, CallState, Call], "str | None"]
+
+
+class KeptCalls:
+    """The kept calls of one module (``reader`` reads its calls' states)."""
+
+    def __init__(self, reader: StateReader):
+        self.reader = reader
+        self.calls: list[KeptCall] = []
+        self._index: dict[tuple, list[tuple[KeptCall, int]]] = {}
+        self._fingerprint: torch.Tensor | None = None  # of the weights the kept calls were made with
+        self._checked = True  # the fingerprint was compared since the last call was kept
+        self.stale: str | None = None  # why the kept calls were last freed, where the weights changed
+        self.held_bytes = 0
+        self.peak_bytes = 0
+
+    def __bool__(self) -> bool:
+        return bool(self.calls)
+
+    def __iter__(self):
+        return iter(self.calls)
+
+    def add(self, state: CallState, call: Call, keys: list | None = None, **held) -> KeptCall:
+        """Keep ``call``'s rows (``keys``: their digests, where the caller has them) in ``state``; ``held``: the
+        kept call's other fields."""
+        self.drop_stale(state)
+        self.stale = None
+        if self._fingerprint is None:
+            self._fingerprint = self.reader.fingerprint()
+        self._checked = False  # the next update phase compares the fingerprint again
+        kept = KeptCall(state, tuple(t.detach() for t in call.identity_rows),
+                        tuple(t.detach() for t in call.whole_inputs), **held)
+        self.calls.append(kept)
+        for row, digest in enumerate(keys if keys is not None else row_keys(call.identity_rows)):
+            self._index.setdefault(digest, []).append((kept, row))
+        return kept
+
+    def count(self, nbytes: int) -> None:
+        """``nbytes`` more held by the kept calls (fewer where negative)."""
+        self.held_bytes += nbytes
+        self.peak_bytes = max(self.peak_bytes, self.held_bytes)
+
+    # --------------------------------------------------------------------------------------------- lookup
+
+    def lookup(self, call: Call, keys: list, agree: ModesAgree,
+               available: Callable[[KeptCall, int], bool] = lambda kept, row: True,
+               taken: Callable[[KeptCall, int], None] | None = None, state: CallState | None = None) -> Found:
+        """The kept rows that verifiably recompute ``call``'s rows (their digests ``keys``), or why not. The call's
+        ``state`` is read, where not given, only once every row has a candidate. ``available``: whether a kept row
+        may still serve (a lookup passes over one that cannot to an equal row of another kept call); ``taken``:
+        told of each row found, before the next row is looked up."""
+        if not self.calls:
+            return Found(None, *self.empty())
+        candidates = [self._index.get(key, ()) for key in keys]
+        if not all(candidates):
+            return Found(None, f"row {candidates.index(())}: no kept call has these inputs", "inputs")
+        state = state if state is not None else self.reader.read(call)
+        if self.drop_stale(state):  # made with other weights: never matched again
+            return Found(None, *self.empty())
+        places, repeated = [], False
+        differences: dict[str, str] = {}  # per kind of difference, the reason of the first kept call that differs so
+        verdicts: dict[int, str | None] = {}  # per kept call (its rows share one state): its difference
+        for i, kept_rows in enumerate(candidates):
+            found, equal = None, 0
+            for kept, kept_row in _in_order(kept_rows, places[-1] if places else None,
+                                             candidates[i + 1] if i + 1 < len(candidates) else ()):
+                if id(kept) not in verdicts:
+                    verdicts[id(kept)] = self._difference(kept, state, call, agree, differences)
+                if verdicts[id(kept)] is not None:
+                    continue
+                equal += 1
+                if found is None:
+                    if available(kept, kept_row):
+                        found = (kept, kept_row)
+                        if taken is not None:
+                            taken(kept, kept_row)
+                    else:
+                        differences.setdefault("used", "every kept row with these inputs has served its call")
+            if found is None:
+                # A kept call in the same state had these rows but has served; else the nearest kept call's
+                # difference (the one agreeing in the most fields): a KL reference's kept values differ in
+                # adapters, the rollout's call in training flags, which is the reason.
+                kind = "used" if "used" in differences else max(differences, key=_ORDER.index)
+                return Found(None, differences[kind], kind)
+            repeated |= equal > 1
+            places.append(found)
+        match = Match(tuple(places))
+        for kept, rows, positions in match.by_call():
+            here, there = RowPick(positions), RowPick(rows)
+            if not all(torch.equal(here.of(mine), there.of(theirs))
+                       for mine, theirs in zip(call.identity_rows, kept.inputs)):
+                return Found(None, "inputs equal in digest but not bitwise", "inputs")
+            if not all(torch.equal(mine, theirs) for mine, theirs in zip(call.whole_inputs, kept.whole)):
+                return Found(None, "a tensor every row shares differs from the kept call's", "inputs")
+        return Found(match, repeated=repeated)
+
+    def _difference(self, kept: KeptCall, state: CallState, call: Call, agree: ModesAgree,
+                    differences: dict[str, str]) -> str | None:
+        """The kind in which ``kept``'s state differs from ``state`` where it matters (None: it may serve); the
+        reason is recorded in ``differences`` under its kind."""
+        difference = kept.state.difference(state)
+        if difference is None:
+            return None
+        why = agree(kept, state, call) if difference == TRAINING_FLAGS else kept.state.explain(state, self.reader)
+        if why is None:
+            return None
+        differences.setdefault(difference, why)
+        return difference
+
+    def empty(self) -> tuple[str, str]:
+        """Why nothing matches while nothing is kept (reason, kind)."""
+        if self.stale is not None:  # freed because the weights changed: that is the reason
+            return f"the kept calls were freed: {self.stale}", "weights"
+        return "nothing kept", "nothing kept"
+
+    def written_in_place(self) -> bool:
+        """Once per update phase (the first match after calls were kept): whether a weight was written through
+        ``.data`` since the first kept call, which moves no version counter; then every kept call is freed."""
+        if self._checked:
+            return False
+        self._checked = True
+        if torch.equal(self.reader.fingerprint(), self._fingerprint):
+            return False
+        self.release()
+        return True
+
+    # ------------------------------------------------------------------------------------------- freeing
+
+    def drop_stale(self, state: CallState) -> bool:
+        """Free the kept calls made with other weights' versions than ``state``'s; whether any was. Every call is
+        kept after this ran, so the kept calls always share one version."""
+        if not self.calls or self.calls[0].state.versions == state.versions:
+            return False
+        stale = [k for k in self.calls if k.state.versions != state.versions]
+        self.stale = stale[0].state.explain(state, self.reader)
+        self.forget(stale)
+        return True
+
+    def forget(self, calls: list[KeptCall]) -> None:
+        """Free ``calls`` now: a later call with their inputs runs natively."""
+        dropped = {id(k) for k in calls}
+        self.calls = [k for k in self.calls if id(k) not in dropped]
+        self._index = {key: kept_rows for key, rows in self._index.items()
+                       if (kept_rows := [(k, r) for k, r in rows if id(k) not in dropped])}
+        self.held_bytes = sum(k.nbytes for k in self.calls)
+        if not self.calls:  # the fingerprint was of the weights they were made with
+            self._fingerprint, self._checked = None, True
+
+    def release(self) -> None:
+        """Free every kept call."""
+        self.forget(self.calls)
+
+    def take_peak(self) -> int:
+        """The most bytes held since the last time."""
+        peak, self.peak_bytes = self.peak_bytes, self.held_bytes
+        return peak
+
+
+_ORDER = [kind for kind, _ in DIFFERENCES]
+
+
+def _in_order(kept_rows, previous, following) -> list:
+    """Equal rows (a group that sampled one completion twice) give a row several candidates: try first the one
+    after the previous row's place, else one whose next row is the next row's candidate, so that a call's rows
+    stay consecutive in one kept call (a slice to backpropagate, not a gather; one kept call for bitwise Retain)."""
+    if len(kept_rows) < 2:
+        return kept_rows
+    if previous is not None:
+        return sorted(kept_rows, key=lambda c: not (c[0] is previous[0] and c[1] == previous[1] + 1))
+    return sorted(kept_rows, key=lambda c: not any(k is c[0] and r == c[1] + 1 for k, r in following))
+
+
+class RowPick:
+    """Rows ``rows`` of tensors with their rows on dimension 0: a slice where they are consecutive (a view, no copy),
+    else an index made once per device."""
+
+    def __init__(self, rows: list[int]):
+        consecutive = rows == list(range(rows[0], rows[0] + len(rows)))
+        self.slice = slice(rows[0], rows[0] + len(rows)) if consecutive else None
+        self.rows = rows
+        self.index: dict = {}
+
+    def of(self, t: torch.Tensor) -> torch.Tensor:
+        if self.slice is not None:
+            return t[self.slice]
+        if t.device not in self.index:
+            self.index[t.device] = torch.tensor(self.rows, device=t.device)
+        # index_select copies whole rows; t[index] runs an element-wise gather, about 6x slower on the CPU.
+        return t.index_select(0, self.index[t.device])

@@ -1,0 +1,316 @@
+"""The runtime behind a wrapped module (:func:`leancompile.wrap`): the engine and its policy built from the
+wrapper's request, the checks that no framework took the module's parameters over, the descent to a submodule
+where the module's own program cannot keep its calls, auto's measurement against native, and the look back at each
+optimizer step (:mod:`leancompile.watch`)."""
+from __future__ import annotations
+
+import functools
+import math
+import time
+import warnings
+from collections import Counter
+
+import torch
+from torch.utils import _pytree as pytree
+
+from .backbones.families import family_of
+from .backbones.plain import fully_sharded
+from .passes.pipeline import PassHistory
+from .plan import AUTO, Action, Schedule, StepAction
+from .request import Request
+from .runtime.bitwise import BitwiseRetain
+from .runtime.calls import Call, bound, named_forward, output_layout
+from .runtime.engine import CallRecord, ReuseEngine
+from .runtime.frameworks import framework_refusal
+from .runtime.policy import RolloutPolicy
+from .runtime.regional import RegionalEngine, transformer_blocks
+from .runtime.rowwise import RowwiseBackbone
+from .schedules import SCHEDULES
+from .watch import FIXES, REGISTRATIONS, NothingServedError, NothingServedWarning, watch
+from .wrapped import RUNTIME, wrapped_class
+
+
+# Calls made while an engine runs (its native calls, its traces) run the module itself, a wrapped submodule too.
+_INSIDE = [0]
+
+
+class WrapRuntime:
+    """What a wrapped module's calls go through: the engine, what it keeps (its policy), the checks that a
+    framework around the module has not taken its parameters over, the submodule that serves the calls the module's
+    own program cannot keep, and the watch for a loop that gains nothing."""
+
+    def __init__(self, module: torch.nn.Module, request: Request):
+        self.request = request
+        self.notes: list[CallRecord] = []  # what the wrapper itself decided (a refusal, a descent)
+        self.below: tuple[str, torch.nn.Module] | None = None  # (name, submodule) serving the calls refused here
+        self.refused: dict[tuple, bool] = {}  # per call signature: whether the submodule serves such calls
+        self.window: list[CallRecord] = []  # the calls since the last optimizer step over the module's weights
+        self.served_ever = False
+        self.warned: set[str] = set()
+        self.watched = True  # by the optimizer-step watch (a submodule serving after a descent: by its parent's)
+        self.refusal = framework_refusal(module)
+        self._build(module)
+
+    def _read_parameters(self, module: torch.nn.Module) -> None:
+        """The module's parameters as they are now: which the engine reads, which the optimizer-step watch follows,
+        and whether a submodule could serve calls this module's program cannot keep."""
+        self.registrations, self.parameters = REGISTRATIONS[0], [id(p) for p in module.parameters()]
+        self.trainable = [p for p in module.parameters() if p.requires_grad]
+        self.descendable = _largest_trainable_child(module) is not None
+
+    def _build(self, module: torch.nn.Module) -> None:
+        self._read_parameters(module)
+        self.engine, self.policy = build_engine(module, self.request)
+        # auto: native's time per row for a kept call without grad and again with grad and its backward, measured
+        # at the first kept call and compared with the program's own once calls were served (nan: not measured;
+        # the whole-call engine only)
+        auto = self.request.schedule == AUTO and isinstance(self.engine, ReuseEngine)
+        self.native_seconds: float | None = None if auto else math.nan
+
+    @property
+    def serving(self) -> "WrapRuntime":
+        """The runtime whose engine serves: this one's, or the submodule's once this one's calls were refused."""
+        return self.below[1].__dict__[RUNTIME].serving if self.below is not None else self
+
+    def __call__(self, module: torch.nn.Module, args: tuple, kwargs: dict):
+        if _INSIDE[0]:
+            return torch.nn.Module.__call__(module, *args, **kwargs)
+        _INSIDE[0] += 1
+        try:
+            self._look_again(module)
+            if self.refusal is not None:
+                if torch.is_grad_enabled():
+                    self._note("recomputed", args, self.refusal, "unsupported")
+                return self._natively(module, args, kwargs)
+            args, kwargs = bound(named_forward(module), args, kwargs)
+            if self._descends(module, args, kwargs):
+                return self._natively(module, args, kwargs)
+            log = self.engine.log
+            seen = len(log.records)
+            try:
+                return self.engine(*args, **kwargs)
+            finally:
+                made = log.records[seen:]
+                self.window.extend(made)
+                if self.native_seconds is None and any(r.action == "kept" for r in made):
+                    self.native_seconds = _native_seconds(module, self.trainable, args, kwargs)
+        except Exception as error:  # never break a loop that runs natively: run it so, and say why
+            if self.refusal is not None or _INSIDE[0] > 1:
+                raise
+            self.refusal = f"the engine failed ({type(error).__name__}: {error}); the module runs natively"
+            self.engine.release()
+            warnings.warn(f"leancompile.wrap: {self.refusal}", NothingServedWarning, stacklevel=3)
+            return self._natively(module, args, kwargs)
+        finally:
+            _INSIDE[0] -= 1
+
+    @staticmethod
+    def _natively(module: torch.nn.Module, args: tuple, kwargs: dict):
+        """The module's own call, outside the engine: a wrapped submodule serves its calls."""
+        _INSIDE[0] -= 1
+        try:
+            return torch.nn.Module.__call__(module, *args, **kwargs)
+        finally:
+            _INSIDE[0] += 1
+
+    def _note(self, action: str, args: tuple, reason: str, kind: str) -> None:
+        record = CallRecord(action, _rows(args), reason, kind)
+        self.notes.append(record)
+        self.window.append(record)
+
+    def _look_again(self, module: torch.nn.Module) -> None:
+        """Where a module anywhere registered tensors since the last call: whether this module's parameters are
+        still the ones the engine reads (else it is built anew, and a framework that flattens them is refused)."""
+        if self.registrations == REGISTRATIONS[0]:
+            return
+        self.registrations = REGISTRATIONS[0]
+        if [id(p) for p in module.parameters()] != self.parameters:
+            self.refusal = framework_refusal(module)
+            if self.refusal is None:
+                self.engine.release()
+                self._build(module)
+            else:  # wrapped before FSDP1 flattened it: say so now, and watch the steps over its new parameters
+                self.engine.release()
+                self._read_parameters(module)
+                warnings.warn(f"leancompile.wrap: {self.refusal}", NothingServedWarning, stacklevel=4)
+
+    def _descends(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> bool:
+        """Whether calls like this one are served by a submodule: at the first such call without grad, where the
+        module's one-row program is refused (the output is not row-laid: a loss over every row, a mask), the
+        submodule holding most of the trainable parameters is wrapped alike and serves them, run natively here."""
+        if not (self.descendable or self.below) or not isinstance(self.engine, ReuseEngine) \
+                or self.engine.answering_with_leaves_now:
+            return False
+        call = Call.of(args, kwargs, self.engine.shared)
+        if call.refusal is not None:
+            return False
+        signature = call.signature()
+        if signature not in self.refused:
+            if torch.is_grad_enabled():
+                return False
+            refusal = self.engine.program_refusal(call)
+            child = (self.below or _largest_trainable_child(module)) if refusal is not None else None
+            self.refused[signature] = child is not None
+            if child is not None:
+                name, submodule = self.below = child
+                if RUNTIME not in submodule.__dict__:
+                    attach(submodule, self.request)
+                submodule.__dict__[RUNTIME].watched = False  # this runtime watches its calls with its own
+                self._note("descended", args, f"calls like this one cannot be kept ({refusal}): its submodule "
+                           f"{name} ({type(submodule).__name__}) serves them", "descended")
+        return self.refused[signature]
+
+    def stats(self) -> dict:
+        stats = self.engine.take_stats()
+        if self.below is not None:
+            below = self.below[1].__dict__[RUNTIME].stats()
+            reasons = Counter(stats["recompute_reasons"]) + Counter(below["recompute_reasons"])
+            stats = {k: stats.get(k, 0) + v for k, v in below.items() if isinstance(v, (int, float))}
+            stats.update(recompute_reasons=dict(reasons), served_by=self.below[0])
+        if self.policy.stopped:
+            stats["auto"] = self.policy.stopped
+        refused = [r for r in self.notes if r.action == "recomputed"]  # run natively by the wrapper (FSDP1)
+        if refused:
+            stats["recomputed_calls"] += len(refused)
+            stats["recomputed_rows"] += sum(r.rows for r in refused)
+            stats["recompute_reasons"] = dict(Counter(stats["recompute_reasons"]) + Counter(r.kind for r in refused))
+        self.notes = []
+        return stats
+
+    def _weigh(self, window: list[CallRecord]) -> None:
+        """auto, at the first optimizer step after served calls: where the program's own time per row (a kept call's
+        forward and its served backward, each past its first, which traces) is above native's by more than
+        ``AUTO_FLOOR`` allows, keep nothing more: the loop runs natively from then on, and says why."""
+        if self.native_seconds is None or math.isnan(self.native_seconds) or self.policy.stopped:
+            return
+        per_row = []
+        for action in ("kept", "served"):
+            records = [r for r in window if r.action == action and r.seconds > 0]
+            records = records[1:] or records
+            per_row.append(sum(r.seconds for r in records) / max(sum(r.rows for r in records), 1))
+        program, native = sum(per_row), self.native_seconds
+        self.native_seconds = math.nan  # weighed once
+        if program * AUTO_FLOOR > native:
+            self.policy.stop(f"auto: the per-row program took {program * 1e3:.3g} ms a row (kept forward and "
+                             f"served backward), native {native * 1e3:.3g} ms a row (forward without grad, forward "
+                             "and backward with grad): the module runs natively from now on")
+            self.engine.release()
+            self.notes.append(CallRecord("native", 0, self.policy.stopped, "auto"))
+            warnings.warn(f"leancompile.wrap: {self.policy.stopped}", NothingServedWarning, stacklevel=5)
+
+    def stepped(self) -> None:
+        """An optimizer step over the module's weights: warn once per cause where the calls with grad since the
+        previous step were all recomputed (or none was seen while the weights have gradients)."""
+        window, self.window = self.window, []
+        if self.below is not None:
+            below = self.below[1].__dict__[RUNTIME]
+            window, below.window = window + below.window, []
+        with_grad = [r for r in window if r.action in ("served", "recomputed")]
+        served = sum(r.action == "served" for r in with_grad)
+        self.served_ever |= served > 0
+        if served:
+            self._weigh(window)
+            return
+        if self.policy.stopped:  # auto chose native, and said so
+            return
+        if not with_grad:
+            if not any(p.grad is not None for p in self.trainable):
+                return
+            kind, reason = "no call", ("its parameters have gradients, but no call of the module went through "
+                                       "leancompile (the loop calls .forward() directly, or an unwrapped copy)")
+            fix = "call the wrapped module itself (module(...))"
+        else:
+            kind = Counter(r.kind for r in with_grad).most_common(1)[0][0]
+            reason = next(r.reason for r in with_grad if r.kind == kind)
+            fix = FIXES.get(kind, "see last_calls")
+            if kind == "weights" and self.served_ever:  # the second optimizer step on one rollout, as expected
+                return
+        if kind in self.warned:
+            return
+        self.warned.add(kind)
+        message = (f"leancompile.wrap: an optimizer step followed {len(with_grad)} calls with grad of the wrapped "
+                   f"module and none was served: {kind}: {reason}. Fix: {fix}")
+        if self.request.raises:
+            raise NothingServedError(message)
+        warnings.warn(message, NothingServedWarning, stacklevel=4)
+
+
+# auto keeps running the per-row program while it is measured at least this fast relative to native
+AUTO_FLOOR = 0.97
+
+
+def _native_seconds(module: torch.nn.Module, trainable: list, args: tuple, kwargs: dict) -> float:
+    """Native's time per row for this call: once without grad (the rollout's) and once with grad and its backward
+    (the update's), the gradients returned, not accumulated (nothing of the loop's state changes)."""
+    cuda = lambda: torch.cuda.synchronize() if torch.cuda.is_available() else None  # noqa: E731
+    cuda()
+    start = time.perf_counter()
+    with torch.no_grad():
+        torch.nn.Module.__call__(module, *args, **kwargs)
+    with torch.enable_grad():
+        output, _, refusal = output_layout(torch.nn.Module.__call__(module, *args, **kwargs))
+        if refusal is None and output.requires_grad:
+            torch.autograd.grad(output, [p for p in trainable if p.requires_grad], torch.ones_like(output),
+                                allow_unused=True)
+    cuda()
+    return (time.perf_counter() - start) / max(_rows(args), 1)
+
+
+def _rows(args: tuple) -> int:
+    tensors = [leaf for leaf in pytree.tree_leaves(args) if isinstance(leaf, torch.Tensor) and leaf.dim()]
+    return tensors[0].shape[0] if tensors else 0
+
+
+def _largest_trainable_child(module: torch.nn.Module) -> tuple[str, torch.nn.Module] | None:
+    """The direct submodule holding most of the module's trainable parameters (a decoder under its LM head), where
+    one does and is called itself (not a container such as ``nn.ModuleList``)."""
+    count = lambda m: sum(p.numel() for p in m.parameters() if p.requires_grad)
+    children = [(name, child) for name, child in module.named_children()
+                if not isinstance(child, (torch.nn.ModuleList, torch.nn.ModuleDict))]
+    best = max(children, key=lambda c: count(c[1]), default=None)
+    return best if best is not None and 2 * count(best[1]) > count(module) else None
+
+
+def attach(module: torch.nn.Module, request: Request) -> WrapRuntime:
+    """Route ``module``'s calls through a runtime for ``request``: its class put behind :class:`Wrapped`, the
+    runtime in its ``__dict__``, the module watched at optimizer steps."""
+    runtime = WrapRuntime(module, request)  # refuses bad settings before the module changes
+    module.__class__ = wrapped_class(type(module))
+    module.__dict__[RUNTIME] = runtime
+    watch(module)
+    return runtime
+
+
+def build_engine(module: torch.nn.Module, request: Request) -> tuple:
+    """The engine that serves ``module``'s calls under ``wrap``'s ``request``, and its policy (what it keeps)."""
+    schedule, bitwise, shared, tune_matmuls = request.schedule, request.bitwise, request.shared, request.tune_matmuls
+    auto = schedule == AUTO
+    if auto:  # Retain's runtime: a call kept past the memory limit waits in host memory (offload)
+        schedule = str(Schedule.RETAIN)
+    sharded = any(fully_sharded(m) for m in module.modules())
+    per_block = sharded if request.per_block is None else request.per_block
+    schedule_runtime = BitwiseRetain() if bitwise else SCHEDULES[Schedule(schedule)].runtime()
+    native = functools.partial(torch.nn.Module.__call__, module)  # the module's call, hooks included
+    action = StepAction(0, Action(schedule), "a call without grad of the wrapped module that matches no kept call")
+    overflow = (StepAction(0, Action.OFFLOAD, "a kept call past the device's memory limit")
+                if auto and not bitwise else None)
+    # Reweight's heads backpropagate through FSDP2's per-block collectives: every rank must keep the same calls
+    agreed = per_block and sharded and schedule == str(Schedule.REWEIGHT)
+    policy = RolloutPolicy(action, request.memory_limit, request.trained, overflow, agreed=agreed)
+    if per_block:
+        if schedule_runtime.for_block() is None:  # bitwise=True under FSDP2 (per_block=True with it: refused)
+            raise ValueError("the module is sharded by FSDP2, whose calls are served per block, and bitwise=True "
+                             "keeps the eager graph of the whole call: drop bitwise=True")
+        blocks = transformer_blocks(module)
+        if not blocks:
+            raise ValueError(f"per_block=True: {type(module).__name__} has no stack of identical blocks (an "
+                             "nn.ModuleList of modules of one class); use per_block=False")
+        family = family_of(module)
+        engine = RegionalEngine(module, blocks, schedule_runtime.for_block, tune_matmuls, PassHistory(),
+                                shared=family.block_shared if family else (), call_shared=frozenset(shared),
+                                policy=policy)
+    else:
+        per_row = {1.0: RowwiseBackbone(module, tune_matmuls=tune_matmuls)}
+        engine = ReuseEngine(module, schedule_runtime, per_row, policy, shared=frozenset(shared), native=native,
+                             timed=auto)
+    return engine, policy
