@@ -1,0 +1,95 @@
+"""The per-row program's fixed costs on a device, measured once per process (see :mod:`leancompile.cost.overheads`).
+
+One layer of the tiny Wan backbone (a shipped family: diffusers' own modules and operators, at sizes where each
+operator's arithmetic is negligible) is run eagerly and as its per-row program (:mod:`.rowwise`), as the rollout and
+the update run them: a forward without grad over ``ROLLOUT_ROWS`` rows, a forward with grad and its backward over
+``UPDATE_ROWS``; the program's first forward and backward, with its partition, are the compile. Each time is the
+best of ``REPEATS``, divided by the operators the cost profile counts in that call. A few seconds, once.
+"""
+from __future__ import annotations
+
+import functools
+import time
+
+import torch
+
+from ..backbones import tiny
+from ..cost.overheads import Overheads
+from ..cost.profile import profile_call
+from .calls import Call
+from .rowwise import RowwiseBackbone
+
+ROLLOUT_ROWS = 4
+UPDATE_ROWS = 2
+REPEATS = 7
+
+
+@functools.cache
+def overheads(device_type: str = "cpu") -> Overheads:
+    """The per-operator costs of eager and of the per-row program on ``device_type`` ("cpu" or "cuda")."""
+    if device_type not in ("cpu", "cuda"):
+        raise ValueError(f"device_type must be 'cpu' or 'cuda'; got {device_type!r}")
+    device = torch.device(device_type)
+    # A first compile in the process imports AOTAutograd and the tracers (seconds, once): paid on a linear layer
+    # first, so that the compile timed below is what each program's costs.
+    _compile(torch.nn.Linear(2, 2).to(device), (torch.ones(2, 2, device=device),))
+    compile_seconds, (backbone, args, rowwise, key, call, kept, cotangent) = _compile(*_model(device))
+    # per operator as the planner counts them (the cost profile's): the program's costs are priced per such operator
+    profile = profile_call(backbone)
+    forward_ops, backward_ops = profile.forward.count, profile.backward.count
+    update = (args[0][:UPDATE_ROWS], args[1][:UPDATE_ROWS], args[2].index(torch.arange(UPDATE_ROWS)))
+    weights = list(backbone.parameters())
+
+    def native_update():
+        out = backbone(*update)
+        torch.autograd.grad(out, weights, torch.ones_like(out))
+
+    with torch.no_grad():
+        eager_forward = _best(lambda: backbone(*args), device)
+    eager_update = _best(native_update, device)
+    program_forward = _best(lambda: rowwise.forward(key, call), device)
+    program_backward = _best(lambda: rowwise.backward(key, kept, cotangent), device)
+    both = forward_ops + backward_ops
+    return Overheads(device_type, eager_forward / forward_ops, eager_update / both, program_forward / forward_ops,
+                     program_backward / both, compile_seconds / both, (forward_ops, backward_ops))
+
+
+def _model(device: torch.device):
+    """The tiny Wan backbone with one block, every weight trainable, and a rollout call's arguments."""
+    with torch.random.fork_rng(devices=[]):  # the caller's random streams stay as they were
+        backbone = tiny("wan", num_layers=1).to(device).requires_grad_(True)
+        x = torch.randn(ROLLOUT_ROWS, *backbone.latent_shape, device=device)
+        sigma = torch.rand(ROLLOUT_ROWS, device=device)
+    return backbone, (x, sigma, backbone.dummy_conditioning(ROLLOUT_ROWS).to(device=device))
+
+
+def _compile(module, args: tuple):
+    """Seconds to compile ``module``'s per-row program for ``args`` and run its first forward (over every row) and
+    backward (over ``UPDATE_ROWS``), which trace; and what runs it."""
+    rowwise, key, call = RowwiseBackbone(module), ("calibration",), Call.of(args, {})
+    device = call.device
+    start = _now(device)
+    program = rowwise.program(key, call)
+    if program.refusal is not None:
+        raise RuntimeError(f"the calibration's per-row program did not compile: {program.refusal}")
+    out, saved = rowwise.forward(key, call)
+    kept, cotangent = [t[:UPDATE_ROWS] for t in saved], torch.ones_like(out[:UPDATE_ROWS])
+    rowwise.backward(key, kept, cotangent)
+    seconds = _now(device) - start
+    return seconds, (module, args, rowwise, key, call, kept, cotangent)
+
+
+def _now(device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+def _best(fn, device: torch.device) -> float:
+    fn()  # warm: the allocator, lazy initialisations
+    times = []
+    for _ in range(REPEATS):
+        start = _now(device)
+        fn()
+        times.append(_now(device) - start)
+    return min(times)
