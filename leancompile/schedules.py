@@ -148,7 +148,7 @@ def estimate_offload(m: StepModel) -> Estimate:
     copies = 2 * held / m.device.host_link
     return m.estimate(str(Schedule.OFFLOAD), m.static if m.per_block else m.gathered,
                       {"activations (one call)": m.transient},
-                      m.native.seconds - eligible * (m.saved_seconds - copies),
+                      m.native.seconds - eligible * (m.saved_seconds - copies) + m.program_seconds(eligible),
                       m.native.flops - eligible * m.saved_flops, all_steps(Action.OFFLOAD, eligible),
                       note=f"every trained step copies {format_bytes(held)} to the host and back")
 
@@ -283,7 +283,8 @@ def _engine(trainer, schedule: ScheduleRuntime, steps, request: Request, history
         pass
     rowwise = {f: RowwiseBackbone(backbone, f, tune_matmuls=request.tune_matmuls, history=history)
                for f in sorted(fractions)}
-    return ReuseEngine(backbone, schedule, rowwise, sync=trainer.sync)
+    # auto's plan is checked against native at run time (runtime.auto): each kept and served call timed
+    return ReuseEngine(backbone, schedule, rowwise, sync=trainer.sync, timed=request.schedule == "auto")
 
 
 _HOW = {Action.RETAIN: "the rollout keeps its activations for the update's calls",

@@ -3,8 +3,9 @@
 One layer of the tiny Wan backbone (a shipped family: diffusers' own modules and operators, at sizes where each
 operator's arithmetic is negligible) is run eagerly and as its per-row program (:mod:`.rowwise`), as the rollout and
 the update run them: a forward without grad over ``ROLLOUT_ROWS`` rows, a forward with grad and its backward over
-``UPDATE_ROWS``; the program's first forward and backward, with its partition, are the compile. Each time is the
-best of ``REPEATS``, divided by the operators the cost profile counts in that call. A few seconds, once.
+``UPDATE_ROWS``; the program's first forward and backward, with its partition, are the compile; a kept call and
+a served one through the reuse engine, less the program's own time, are the engine's cost per call. Each time is
+the best of ``REPEATS``, divided by the operators the cost profile counts in that call. A few seconds, once.
 """
 from __future__ import annotations
 
@@ -16,7 +17,10 @@ import torch
 from ..backbones import tiny
 from ..cost.overheads import Overheads
 from ..cost.profile import profile_call
+from ..plan import Action, StepAction
 from .calls import Call
+from .engine import ReuseEngine
+from .retain import Retain
 from .rowwise import RowwiseBackbone
 
 ROLLOUT_ROWS = 4
@@ -49,9 +53,21 @@ def overheads(device_type: str = "cpu") -> Overheads:
     eager_update = _best(native_update, device)
     program_forward = _best(lambda: rowwise.forward(key, call), device)
     program_backward = _best(lambda: rowwise.backward(key, kept, cotangent), device)
+    engine = ReuseEngine(backbone, Retain(), {1.0: rowwise}, timed=True)
+
+    def kept_and_served():
+        with torch.no_grad(), engine.keeping(StepAction(0, Action.RETAIN)):
+            engine(*args)
+        out = engine(*update)
+        torch.autograd.grad(out, weights, torch.ones_like(out))
+        engine.end_step()
+
+    # What the engine adds to the program's own time per call: reading the module's state, digesting and looking
+    # up the rows, keeping and gathering them.
+    per_call = max(_best(kept_and_served, device) - program_forward - program_backward, 0.0) / 2
     both = forward_ops + backward_ops
     return Overheads(device_type, eager_forward / forward_ops, eager_update / both, program_forward / forward_ops,
-                     program_backward / both, compile_seconds / both, (forward_ops, backward_ops))
+                     program_backward / both, per_call, compile_seconds / both, (forward_ops, backward_ops))
 
 
 def _model(device: torch.device):
