@@ -16,6 +16,8 @@ from leancompile.trainers import FlowGRPOConfig, trainer_class
 
 from conftest import PromptTable, mean_reward
 
+FLOOR = auto.AUTO_FLOOR  # conftest's fixture sets it to 0 for the other tests
+
 # The test size the report was about: 8 denoising steps, 6 trained, groups of 4
 CONFIG = FlowGRPOConfig(num_steps=8, timestep_fraction=0.75, group_size=4)
 # Per operator (µs): the per-row program's fixed costs far above eager's, as at small sizes on a slow host
@@ -96,6 +98,7 @@ def test_auto_falls_back_to_native_where_the_program_measures_slower(monkeypatch
     config = dataclasses.replace(CONFIG, dtype="float64")
     overrides = {"qk_norm": None}  # SD3.5's float32 RMSNorm would bound float64 agreement (tests of Retain)
     monkeypatch.setattr(calibration, "overheads", lambda device_type: NEGLIGIBLE)
+    monkeypatch.setattr(auto, "AUTO_FLOOR", FLOOR)
     monkeypatch.setattr(auto, "forward_seconds", lambda module, args, kwargs: native_seconds)
     monkeypatch.setattr(auto, "update_seconds", lambda module, trainable, args, kwargs: native_seconds)
     native, optimized = _trainer(config, **overrides), optimize(_trainer(config, **overrides), "auto")
@@ -121,7 +124,8 @@ def test_auto_falls_back_to_native_where_the_program_measures_slower(monkeypatch
 
 
 @pytest.mark.fast
-def test_the_program_time_per_row_skips_the_first_call_which_traces():
+def test_the_program_time_per_row_skips_the_first_call_which_traces(monkeypatch):
+    monkeypatch.setattr(auto, "AUTO_FLOOR", FLOOR)
     records = [auto_record("kept", 4, 1.0), auto_record("kept", 4, 0.1), auto_record("served", 2, 0.5),
                auto_record("served", 2, 0.02), auto_record("recomputed", 2, 0.0)]
     assert auto.program_seconds_per_row(records, "kept") == pytest.approx(0.1 / 4)

@@ -142,15 +142,15 @@ class CostPlan:
             lines.append("  per trained step: " + " ".join(a.label for a in auto.steps))
         lines += [f"  {name}: {value}" for name, value in self.limits]
         lines += [f"  per-operator costs: {self.overheads}" if self.overheads is not None else
-                  "  per-operator costs: not measured (planned on a named device's datasheet): the per-row program "
-                  "is priced as eager, one launch cost per operator",
+                  "  per-operator costs: not measured (a named device's datasheet has none): the per-row program is "
+                  "priced as eager, one launch cost per operator",
                   f"  {self.compile_line()}"]
         return "\n".join(lines)
 
     def compile_line(self) -> str:
         """The first step's extra, and how the step times above count it."""
         if self.overheads is None:
-            return "first step: compiling the per-row program (not measured on a named device)"
+            return "first step: compiling the per-row program (seconds; not priced without a measurement)"
         head = f"first step: compiling the per-row program takes about {self.compile_seconds:.2g} s"
         if self.run_steps is None:
             return (f"{head}, not amortised: the run's length is unknown (the trainer's config has no "
