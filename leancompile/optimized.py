@@ -5,6 +5,8 @@ placed before the trainer's own class. During a step every ``self.backbone(...)`
 :class:`~leancompile.runtime.engine.ReuseEngine`, which serves a call from the rollout only where it verifies it;
 the overrides below only say which rollout calls to keep (the plan's trained steps) and, for Reweight, run the
 trainer's own loss head on each kept step. The update, its backward and its optimizer steps are the trainer's own.
+Where the plan came from auto, the program's measured time is compared with native's after the first step that
+served calls (:mod:`leancompile.runtime.auto`), and the trainer runs natively from then on where it is slower.
 """
 from __future__ import annotations
 
