@@ -322,7 +322,7 @@ def plan(s: Scenario, device: Device, budget: int | None = None, *, estimators: 
     update, rollout = (None, None) if o is None else (o.eager_update, o.eager_forward)
     fwd_u, bwd_u = seconds(forward, g.update_rows, update), seconds(backward, g.update_rows, update)
     fwd_r = seconds(forward, g.rollout_rows, rollout)
-    program = {}
+    program, compile_seconds = {}, 0.0
     if o is not None:
         compile_seconds = o.compile_seconds(forward.count + backward.count)
         program = dict(kept_extra=forward.count * (o.program_forward - o.eager_forward) + o.call,
@@ -367,8 +367,7 @@ def plan(s: Scenario, device: Device, budget: int | None = None, *, estimators: 
         limits += _reweight_limit(s, whole, budget)  # the boundary of Reweight of every parameter
         if model.per_block and reweight_per_block(cfg):
             limits += _reweight_layouts(s, whole, reweight)
-    return CostPlan(device.name, budget, (native, *estimates, auto), limits, o,
-                    compile_seconds if o is not None else 0.0, run_steps)
+    return CostPlan(device.name, budget, (native, *estimates, auto), limits, o, compile_seconds, run_steps)
 
 
 def estimate_retain(m: StepModel) -> Estimate:
