@@ -202,8 +202,9 @@ def _cost_plan(trainer, request: Request, refused, linearity):
                                 buffers=reweight_buffers(config, free, samples))
     device = request.device
     # The per-row program's costs are measured where the trainer runs; a plan for another device (a named one's
-    # datasheet) prices it as eager.
-    here = device is None or device in ("live", trainer.device.type)
+    # datasheet) prices it as eager, and so does a data-parallel one, whose ranks would measure apart and could
+    # plan apart.
+    here = (device is None or device in ("live", trainer.device.type)) and trainer.sync.world_size == 1
     if device is None:
         device = live_device(trainer.device.type)
     elif isinstance(device, str):

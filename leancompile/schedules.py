@@ -283,8 +283,10 @@ def _engine(trainer, schedule: ScheduleRuntime, steps, request: Request, history
         pass
     rowwise = {f: RowwiseBackbone(backbone, f, tune_matmuls=request.tune_matmuls, history=history)
                for f in sorted(fractions)}
-    # auto's plan is checked against native at run time (runtime.auto): each kept and served call timed
-    return ReuseEngine(backbone, schedule, rowwise, sync=trainer.sync, timed=request.schedule == "auto")
+    # auto's plan is checked against native at run time in one process (runtime.auto): each kept and served call
+    # timed
+    return ReuseEngine(backbone, schedule, rowwise, sync=trainer.sync,
+                       timed=request.schedule == "auto" and trainer.sync.world_size == 1)
 
 
 _HOW = {Action.RETAIN: "the rollout keeps its activations for the update's calls",
