@@ -28,7 +28,7 @@ def main() -> None:
     backbone = backbones.tiny("flux", seed=0)
     prompts = RandomPrompts(backbone)
     trainer = VelocityPenaltyTrainer(FlowGRPOConfig(num_steps=3, group_size=2), backbone, latent_reward, prompts)
-    fast = leancompile.optimize(trainer)
+    fast = leancompile.optimize(trainer, "retain")  # auto plans native at this tiny size, where reuse is slower
     print(fast.plan)
     print(fast.step(list(TINY_PROMPTS)))
 
