@@ -59,19 +59,23 @@ def overheads(device_type: str = "cpu") -> Overheads:
     program_backward = _best(lambda: rowwise.backward(key, kept, cotangent), device)
     engine = ReuseEngine(backbone, Retain(), {1.0: rowwise}, timed=True)
 
-    def kept_and_served():  # a step's worth: its once-a-step costs (the weights' fingerprint) shared by the calls
+    def engine_step() -> float:
+        """A step's worth of kept and served calls (its once-a-step costs, the weights' fingerprint, shared by
+        them as in a trainer's step): the time the engine adds per call to the program's own, which its records
+        time in the same run (so that a busy machine slows both alike)."""
+        start = _now(device)
         for _ in range(ENGINE_CALLS):
             with torch.no_grad(), engine.keeping(StepAction(0, Action.RETAIN)):
                 engine(*args)
         for _ in range(ENGINE_CALLS):
             out = engine(*update)
             torch.autograd.grad(out, weights, torch.ones_like(out))
+        added = _now(device) - start - sum(r.seconds for r in engine.log.records)
         engine.end_step()
+        return max(added, 0.0) / (2 * ENGINE_CALLS)
 
-    # What the engine adds to the program's own time per call: reading the module's state, digesting and looking
-    # up the rows, keeping and gathering them.
-    program = ENGINE_CALLS * (program_forward + program_backward)
-    per_call = max(_best(kept_and_served, device) - program, 0.0) / (2 * ENGINE_CALLS)
+    # reading the module's state, digesting and looking up the rows, keeping and gathering them (the first warms)
+    per_call = min(engine_step() for _ in range(REPEATS + 1))
     both = forward_ops + backward_ops
     return Overheads(device_type, eager_forward / forward_ops, eager_update / both, program_forward / forward_ops,
                      program_backward / both, per_call, compile_seconds / both, (forward_ops, backward_ops))
