@@ -17,6 +17,7 @@ from leancompile.trainers import FlowGRPOConfig, trainer_class
 from conftest import PromptTable, mean_reward
 
 FLOOR = auto.AUTO_FLOOR  # conftest's fixture sets it to 0 for the other tests
+MEASURE = calibration.overheads  # and replaces the calibration
 
 # The test size the report was about: 8 denoising steps, 6 trained, groups of 4
 CONFIG = FlowGRPOConfig(num_steps=8, timestep_fraction=0.75, group_size=4)
@@ -144,3 +145,19 @@ def auto_record(action, rows, seconds):
 def test_a_calibration_with_a_negative_cost_is_refused():
     with pytest.raises(ValueError, match="program_forward"):
         Overheads("cpu", 1e-6, 1e-6, -1.0, 1e-6, 0.0, 0.0, (1, 1))
+
+
+def test_the_calibration_measures_every_cost_and_leaves_the_callers_random_streams_alone():
+    """What the calibration returns, not how fast: every cost measured (positive), per operator of a profiled
+    call; the caller's random stream where it was; a device it cannot measure refused."""
+    torch.manual_seed(7)
+    expected = torch.rand(4)
+    torch.manual_seed(7)
+    measured = MEASURE.__wrapped__("cpu")  # not the process's cached value: measured here
+    assert torch.equal(torch.rand(4), expected)
+    assert measured.device == "cpu" and min(measured.operators) > 0
+    assert min(measured.eager_forward, measured.eager_update, measured.program_forward, measured.program_backward,
+               measured.compile) > 0
+    assert "measured on cpu" in str(measured)
+    with pytest.raises(ValueError, match="device_type"):
+        MEASURE.__wrapped__("tpu")

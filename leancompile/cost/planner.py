@@ -142,8 +142,8 @@ class CostPlan:
             lines.append("  per trained step: " + " ".join(a.label for a in auto.steps))
         lines += [f"  {name}: {value}" for name, value in self.limits]
         lines += [f"  per-operator costs: {self.overheads}" if self.overheads is not None else
-                  "  per-operator costs: not measured (a named device's datasheet has none): the per-row program is "
-                  "priced as eager, one launch cost per operator",
+                  "  per-operator costs: not measured (planned without a calibration, as for a named device): the "
+                  "per-row program is priced as eager, one launch cost per operator",
                   f"  {self.compile_line()}"]
         return "\n".join(lines)
 
