@@ -49,9 +49,7 @@ class Optimized:
             if self._watch is not None:  # auto measured the program slower than native: it said so
                 stats["auto"] = self._watch.verdict
             return stats
-        # (one process only: ranks measuring apart could fall back apart, and run different collectives)
-        if self._watch is None and self.plan.requested == "auto" and getattr(engine, "timed", False) \
-                and self.sync.world_size == 1:
+        if self._watch is None and getattr(engine, "timed", False):  # auto's plan in one process (schedules)
             self._watch = Watch(self.trainable)
         watch = self._watch
         gathers = self.sync.gathers  # FSDP2's gather of the whole weights comes before the trainer's own step
