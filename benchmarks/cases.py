@@ -102,3 +102,12 @@ def cases(full: bool = False, families=FAMILIES, trainers=TRAINERS, tunings=TUNI
                  {} if smallest else backbone_sizes(family, full, device), device=device)
             for family in families for trainer in trainers if pairs is None or (family, trainer) in pairs
             for tuning in tunings]
+
+
+# The test suite's size (the tiny defaults): FlowGRPO with 8 denoising steps, the first 6 trained, groups of 4. The
+# per-row program's fixed costs decide here, so auto must measure no slower than native (benchmarks.test_size).
+TEST_SIZE_CONFIG = FlowGRPOConfig(num_steps=8, timestep_fraction=0.75, group_size=4)
+
+
+def test_size_cases(families=("wan", "sd3")) -> list[Case]:
+    return [Case(family, "flowgrpo", TEST_SIZE_CONFIG) for family in families]

@@ -1,7 +1,8 @@
 """A user's own FlowGRPO variant: leancompile derives reuse from the traced programs, not from the class.
 
 This trainer adds an advantage-free penalty on the velocity's magnitude to the loss. Nothing else changes:
-``optimize`` still finds that the update recomputes the rollout's backbone call and removes the re-forward.
+``optimize`` still finds that the update recomputes the rollout's backbone call, and removes the re-forward where
+it predicts that faster (at this tiny size, on the device's measured costs, it may run native and say why).
 
     python examples/custom_trainer.py
 """

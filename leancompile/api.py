@@ -13,6 +13,7 @@ from .cost.scenario import reweight_buffers, trainer_scenario
 from .optimized import optimized_class
 from .plan import AUTO, Action, Plan, Schedule, SharedCall, StepAction
 from .protocol import check_protocol
+from .runtime import calibration
 from .runtime.engine import ReuseEngine
 from .request import Request
 from .schedules import EXACTNESS, SCHEDULES, Analyses, estimators, refusals
@@ -148,7 +149,7 @@ def _compile(trainer, programs, request: Request, history: passes.PassHistory):
                                            + ("" if e.fits else " (does not fit)")
                                            for e in cost.estimates[:-1] if e.available))
         if auto.runs is Schedule.NATIVE:
-            return _native_plan(config, requested, choice, **found), graphs, None
+            return _native_plan(config, requested, choice, cost=cost, **found), graphs, None
         chosen, planned = auto.runs, auto.steps
         analyses = dataclasses.replace(analyses, cost=cost)
     else:
@@ -177,9 +178,15 @@ def _cost_plan(trainer, request: Request, refused, linearity):
                                 sharding="fsdp" if trainer.sync.kind == "fsdp" else "ddp",
                                 buffers=reweight_buffers(config, free, samples))
     device = request.device
+    # The per-row program's costs are measured where the trainer runs; a plan for another device (a named one's
+    # datasheet) prices it as eager, and so does a data-parallel one, whose ranks would measure apart and could
+    # plan apart.
+    here = (device is None or device in ("live", trainer.device.type)) and trainer.sync.world_size == 1
     if device is None:
         device = live_device(trainer.device.type)
     elif isinstance(device, str):
         device = get_device(device)
-    return cost_planner.plan(scenario, device, request.memory_limit, estimators=estimators())
+    return cost_planner.plan(scenario, device, request.memory_limit, estimators=estimators(),
+                             overheads=calibration.overheads(trainer.device.type) if here else None,
+                             run_steps=getattr(config, "num_grpo_steps", None))
 

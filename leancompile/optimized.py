@@ -5,16 +5,21 @@ placed before the trainer's own class. During a step every ``self.backbone(...)`
 :class:`~leancompile.runtime.engine.ReuseEngine`, which serves a call from the rollout only where it verifies it;
 the overrides below only tell the engine's policy which rollout calls to keep (the plan's trained steps) and, for
 Reweight, run the trainer's own loss head on each kept step. The update, its backward and its optimizer steps are
-the trainer's own.
+the trainer's own. Where the plan came from auto, the program's measured time is compared with native's after the
+first step that served calls (:mod:`leancompile.runtime.auto`), and the trainer runs natively from then on where it
+is slower.
 """
 from __future__ import annotations
 
 import contextlib
+import functools
+import warnings
 
 import torch
 
 from .plan import Plan
 from .backbones.routing import CalledAs, running
+from .runtime.auto import Watch
 from .runtime.engine import ReuseEngine
 from .protocol import MicroStep
 
@@ -29,6 +34,8 @@ class Optimized:
     # loss heads (which run the reference once per provisional advantage) and served to the update, verified
     _reference_engine: ReuseEngine | None = None
     _predicted = None  # epoch 0's trained steps (samples, k), predicted before the rollout
+    # auto's run-time check of the program against native (runtime.auto), where its plan runs a timed engine
+    _watch: Watch | None = None
     _kept_now: list = ()
 
     def explain(self) -> str:
@@ -39,12 +46,19 @@ class Optimized:
     def step(self, prompts):
         engine, reference = self._engine, self._reference_engine
         if engine is None:
-            return super().step(prompts)
+            stats = super().step(prompts)
+            if self._watch is not None:  # auto measured the program slower than native: it said so
+                stats["auto"] = self._watch.verdict
+            return stats
+        if self._watch is None and getattr(engine, "timed", False):  # auto's plan in one process (schedules)
+            self._watch = Watch(self.trainable)
+        watch = self._watch
         gathers = self.sync.gathers  # FSDP2's gather of the whole weights comes before the trainer's own step
         try:
             with contextlib.ExitStack() as routes:
                 backbone, _ = routes.enter_context(self.sync.whole_weights(self))
-                routes.enter_context(running(self, CalledAs(backbone, engine)))
+                call = engine if watch is None else functools.partial(_watched, watch, engine, backbone)
+                routes.enter_context(running(self, CalledAs(backbone, call)))
                 if reference is not None:  # its calls recorded in the engine's log (see api._reference_engine)
                     routes.enter_context(running(self, CalledAs(self.reference, reference), "reference"))
                 stats = super().step(prompts)
@@ -57,6 +71,10 @@ class Optimized:
             self._predicted = None
         stats.update(extra)
         self.graphs.update(runtime_graphs(engine))
+        if watch is not None and watch.weigh(self.last_calls, extra["check_seconds"]) is not None:
+            stats["auto"] = watch.verdict
+            warnings.warn(f"leancompile.optimize: {watch.verdict}", RuntimeWarning, stacklevel=2)
+            self._engine = self._reference_engine = None
         return stats
 
     def rollout(self, prompts):
@@ -131,6 +149,10 @@ class Optimized:
         super().optimizer_step()
         if self._engine is not None:
             self.sync.weights_changed()  # FSDP2: the whole weights a rewritten step runs on are gathered anew
+
+
+def _watched(watch: Watch, engine: ReuseEngine, backbone, *args, **kwargs):
+    return watch.call(engine, backbone, args, kwargs)
 
 
 def runtime_graphs(engine: ReuseEngine) -> dict:

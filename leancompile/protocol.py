@@ -8,7 +8,8 @@ provide the same members).
 
 Attributes:
     config: with ``num_steps``, ``group_size``, ``train_batch_size``, ``gradient_accumulation_steps``,
-        ``num_trained_steps``, ``trained_steps``, ``noise`` and the dtype fields.
+        ``num_trained_steps``, ``trained_steps``, ``noise`` and the dtype fields; optionally ``num_grpo_steps``,
+        the run's length, over which auto amortises the per-row program's compile.
     backbone: the ``leancompile.backbones.Backbone`` the policy runs; every backbone call goes through
         ``self.backbone(x, sigma, cond)``.
     trainable: the parameters the optimizer updates.

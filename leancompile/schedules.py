@@ -21,7 +21,7 @@ import torch
 from . import passes
 from .cost.planner import (Estimate, Estimator, StepModel, all_steps, estimate_retain, estimate_reweight, format_bytes,
                            reweight_per_block)
-from .plan import Action, Linearity, Refusal, Schedule, StepAction
+from .plan import AUTO, Action, Linearity, Refusal, Schedule, StepAction
 from .runtime.bitwise import BitwiseRetain
 from .request import Request
 from .runtime.engine import ReuseEngine
@@ -136,7 +136,7 @@ def estimate_offload(m: StepModel) -> Estimate:
     copies = 2 * held / m.device.host_link
     return m.estimate(str(Schedule.OFFLOAD), m.static if m.per_block else m.gathered,
                       {"activations (one call)": m.transient},
-                      m.native.seconds - eligible * (m.saved_seconds - copies),
+                      m.native.seconds - eligible * (m.saved_seconds - copies) + m.program_seconds(eligible),
                       m.native.flops - eligible * m.saved_flops, all_steps(Action.OFFLOAD, eligible),
                       note=f"every trained step copies {format_bytes(held)} to the host and back")
 
@@ -271,7 +271,10 @@ def _engine(trainer, schedule: ScheduleRuntime, steps, request: Request, history
         pass
     rowwise = {f: RowwiseBackbone(backbone, f, tune_matmuls=request.tune_matmuls, history=history)
                for f in sorted(fractions)}
-    return ReuseEngine(backbone, schedule, rowwise, StepPolicy(), sync=trainer.sync)
+    # auto's plan is checked against native at run time in one process (runtime.auto): each kept and served call
+    # timed
+    return ReuseEngine(backbone, schedule, rowwise, StepPolicy(), sync=trainer.sync,
+                       timed=request.schedule == AUTO and trainer.sync.world_size == 1)
 
 
 _HOW = {Action.RETAIN: "the rollout keeps its activations for the update's calls",

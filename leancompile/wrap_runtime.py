@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import functools
 import math
-import time
 import warnings
 from collections import Counter
 
@@ -18,8 +17,9 @@ from .backbones.plain import fully_sharded
 from .passes.pipeline import PassHistory
 from .plan import AUTO, Action, Schedule, StepAction
 from .request import Request
+from .runtime.auto import forward_seconds, program_seconds_per_row, slower, update_seconds
 from .runtime.bitwise import BitwiseRetain
-from .runtime.calls import Call, bound, named_forward, output_layout
+from .runtime.calls import Call, bound, named_forward
 from .runtime.engine import CallRecord, ReuseEngine
 from .runtime.frameworks import framework_refusal
 from .runtime.policy import RolloutPolicy
@@ -180,17 +180,12 @@ class WrapRuntime:
     def _weigh(self, window: list[CallRecord]) -> None:
         """auto, at the first optimizer step after served calls: where the program's own time per row (a kept call's
         forward and its served backward, each past its first, which traces) is above native's by more than
-        ``AUTO_FLOOR`` allows, keep nothing more: the loop runs natively from then on, and says why."""
+        ``runtime.auto.AUTO_FLOOR`` allows, keep nothing more: the loop runs natively from then on, and says why."""
         if self.native_seconds is None or math.isnan(self.native_seconds) or self.policy.stopped:
             return
-        per_row = []
-        for action in ("kept", "served"):
-            records = [r for r in window if r.action == action and r.seconds > 0]
-            records = records[1:] or records
-            per_row.append(sum(r.seconds for r in records) / max(sum(r.rows for r in records), 1))
-        program, native = sum(per_row), self.native_seconds
-        self.native_seconds = math.nan  # weighed once
-        if program * AUTO_FLOOR > native:
+        program = sum(program_seconds_per_row(window, action) for action in ("kept", "served"))
+        native, self.native_seconds = self.native_seconds, math.nan  # weighed once
+        if slower(program, native):
             self.policy.stop(f"auto: the per-row program took {program * 1e3:.3g} ms a row (kept forward and "
                              f"served backward), native {native * 1e3:.3g} ms a row (forward without grad, forward "
                              "and backward with grad): the module runs natively from now on")
@@ -235,25 +230,12 @@ class WrapRuntime:
         warnings.warn(message, NothingServedWarning, stacklevel=4)
 
 
-# auto keeps running the per-row program while it is measured at least this fast relative to native
-AUTO_FLOOR = 0.97
-
-
 def _native_seconds(module: torch.nn.Module, trainable: list, args: tuple, kwargs: dict) -> float:
-    """Native's time per row for this call: once without grad (the rollout's) and once with grad and its backward
-    (the update's), the gradients returned, not accumulated (nothing of the loop's state changes)."""
-    cuda = lambda: torch.cuda.synchronize() if torch.cuda.is_available() else None  # noqa: E731
-    cuda()
-    start = time.perf_counter()
-    with torch.no_grad():
-        torch.nn.Module.__call__(module, *args, **kwargs)
-    with torch.enable_grad():
-        output, _, refusal = output_layout(torch.nn.Module.__call__(module, *args, **kwargs))
-        if refusal is None and output.requires_grad:
-            torch.autograd.grad(output, [p for p in trainable if p.requires_grad], torch.ones_like(output),
-                                allow_unused=True)
-    cuda()
-    return (time.perf_counter() - start) / max(_rows(args), 1)
+    """Native's time per row for this call: the rollout's forward without grad, and the update's forward with grad
+    and its backward (:mod:`leancompile.runtime.auto`), each the faster of two (the first may warm caches)."""
+    seconds = (min(forward_seconds(module, args, kwargs) for _ in range(2))
+               + min(update_seconds(module, trainable, args, kwargs) for _ in range(2)))
+    return seconds / max(_rows(args), 1)
 
 
 def _rows(args: tuple) -> int:

@@ -23,6 +23,17 @@ if os.environ.get("CI"):
     settings.load_profile("ci")
 
 
+@pytest.fixture(autouse=True)
+def planned_without_timings(monkeypatch):
+    """auto as the tests see it does not depend on this machine's timings: the planner prices the per-row program
+    as eager (no calibration, as for a named device), and the run-time check never falls back to native
+    (tests/test_auto.py gives both their inputs)."""
+    from leancompile.runtime import auto, calibration
+
+    monkeypatch.setattr(calibration, "overheads", lambda device_type: None)
+    monkeypatch.setattr(auto, "AUTO_FLOOR", 0.0)
+
+
 # The library's synthetic task, under the names the tests use.
 PromptTable = RandomPrompts
 mean_reward = latent_reward

@@ -10,6 +10,9 @@ import torch
 
 import leancompile
 from leancompile import backbones
+from leancompile.runtime import auto
+
+FLOOR = auto.AUTO_FLOOR  # read before conftest's fixture sets it to 0 for the suite
 
 
 def _sd3():
@@ -199,6 +202,7 @@ def test_auto_measures_the_program_against_native_and_runs_natively_where_it_is_
     program is slower whatever the machine: after the first optimizer step that followed served calls, auto keeps
     nothing more, says why, and the loop's gradient stays native's."""
     monkeypatch.setattr(sys.modules["leancompile.wrap_runtime"], "_native_seconds", lambda *_: 1e-12)
+    monkeypatch.setattr(auto, "AUTO_FLOOR", FLOOR)  # the suite's own is 0 (conftest)
     module, inputs = _sd3()
     wrapped = leancompile.wrap(module, schedule="auto")
     optimizer = torch.optim.SGD(wrapped.parameters(), lr=1e-3)
@@ -225,6 +229,7 @@ def test_auto_measures_the_program_against_native_and_runs_natively_where_it_is_
 
 def test_auto_keeps_serving_where_the_program_is_not_slower(monkeypatch):
     monkeypatch.setattr(sys.modules["leancompile.wrap_runtime"], "_native_seconds", lambda *_: 1e6)
+    monkeypatch.setattr(auto, "AUTO_FLOOR", FLOOR)
     module, inputs = _sd3()
     wrapped = leancompile.wrap(module, schedule="auto")
     optimizer = torch.optim.SGD(wrapped.parameters(), lr=1e-3)

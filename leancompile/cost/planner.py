@@ -20,13 +20,14 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING
 
 import torch
 
 from ..plan import AUTO, Action, Refusal, Schedule, StepAction
 from .devices import Device, GiB
+from .overheads import Overheads
 from .profile import PARTIAL_BUDGETS, CallProfile
 
 if TYPE_CHECKING:
@@ -85,6 +86,9 @@ class CostPlan:
     budget: int
     estimates: tuple[Estimate, ...]
     limits: tuple[tuple[str, str], ...] = ()
+    overheads: Overheads | None = None  # the per-operator costs measured on the device (None: a named device's)
+    compile_seconds: float = 0.0  # compiling the per-row program: the first step's extra
+    run_steps: int | None = None  # GRPO steps of the run, over which the compile is amortised (None: unknown)
 
     def __getitem__(self, schedule: str) -> Estimate:
         for e in self.estimates:
@@ -109,7 +113,10 @@ class CostPlan:
                                            "steps": [a.label for a in e.steps], "runs": str(e.runs),
                                            "note": e.note}
                               for e in self.estimates},
-                "limits": dict(self.limits)}
+                "limits": dict(self.limits),
+                "overheads": None if self.overheads is None else {
+                    k: v for k, v in asdict(self.overheads).items() if k != "device"},
+                "compile_seconds": self.compile_seconds, "run_steps": self.run_steps}
 
     def __str__(self) -> str:
         names = [name for name, _ in self["native"].components]
@@ -133,7 +140,22 @@ class CostPlan:
         if auto.steps:
             lines.append("  per trained step: " + " ".join(a.label for a in auto.steps))
         lines += [f"  {name}: {value}" for name, value in self.limits]
+        lines += [f"  per-operator costs: {self.overheads}" if self.overheads is not None else
+                  "  per-operator costs: not measured (planned without a calibration, as for a named device): the "
+                  "per-row program is priced as eager, one launch cost per operator",
+                  f"  {self.compile_line()}"]
         return "\n".join(lines)
+
+    def compile_line(self) -> str:
+        """The first step's extra, and how the step times above count it."""
+        if self.overheads is None:
+            return "first step: compiling the per-row program (seconds; not priced without a measurement)"
+        head = f"first step: compiling the per-row program takes about {self.compile_seconds:.2g} s"
+        if self.run_steps is None:
+            return (f"{head}, not amortised: the run's length is unknown (the trainer's config has no "
+                    "num_grpo_steps), so the step times above leave it out")
+        return (f"{head}, amortised over the run's {self.run_steps} GRPO steps: "
+                f"{self.compile_seconds / self.run_steps:.2g} s a step, in the step times above")
 
 
 def format_bytes(n: float) -> str:
@@ -241,6 +263,24 @@ class StepModel:
     transient: int  # bytes of the activations of one native update call in flight
     saved_seconds: float  # what the update saves per trained step when it does not run its forward
     saved_flops: float
+    # What the per-row program adds beyond the roofline, against eager (measured; 0 on a named device): per kept
+    # rollout call, its forward's per-operator cost and the engine's checks; per backward of a served call, its
+    # per-operator cost in place of the update's forward and backward; per served call, the engine's checks. And
+    # its compile amortised over the run's steps (0 where the run's length is unknown).
+    kept_extra: float = 0.0
+    backward_extra: float = 0.0
+    served_extra: float = 0.0
+    compile_share: float = 0.0
+
+    def program_seconds(self, steps: float, backwards: int = 1) -> float:
+        """What serving ``steps`` trained steps from the per-row program adds to the saved forwards' prediction,
+        each served call running ``backwards`` backwards (Reweight: one per provisional cotangent)."""
+        if steps <= 0:
+            return 0.0
+        g = self.geometry
+        return (steps * (g.rollout_calls * self.kept_extra
+                         + g.window_calls * (backwards * self.backward_extra + self.served_extra))
+                + self.compile_share)
 
     def estimate(self, name, static, extra, seconds, flops, steps=(), note="") -> Estimate:
         return _estimate(name, static, extra, self.budget, seconds, flops, steps, note=note)
@@ -253,25 +293,41 @@ class StepModel:
 Estimator = Callable[[StepModel], Estimate]
 
 
-def plan(s: Scenario, device: Device, budget: int | None = None, *,
-         estimators: Mapping[Schedule, Estimator]) -> CostPlan:
+def plan(s: Scenario, device: Device, budget: int | None = None, *, estimators: Mapping[Schedule, Estimator],
+         overheads: Overheads | None = None, run_steps: int | None = None) -> CostPlan:
     """Predict native and each schedule of ``estimators`` (the registry's, :mod:`leancompile.schedules`), and
     choose per trained step, on ``device`` within ``budget`` bytes (default: the device's free memory less a
-    margin). A schedule the scenario refuses (``Scenario.refusals``) is predicted as not fitting, with the reason."""
+    margin). A schedule the scenario refuses (``Scenario.refusals``) is predicted as not fitting, with the reason.
+
+    ``overheads``: the per-operator costs measured on ``device`` (:mod:`leancompile.runtime.calibration`): each
+    call's fixed cost is then that of its program, eager or per-row, instead of the device's one launch cost per
+    operator, and the per-row program's compile is priced, amortised over ``run_steps`` GRPO steps where given."""
     _, ROWS, TOKENS, _, WORLD = _memory_model()
     budget = int(device.available * MARGIN) if budget is None else int(budget)
     if budget <= 0:
         raise ValueError(f"budget must be a positive number of bytes; got {budget}")
+    if run_steps is not None and (not isinstance(run_steps, int) or run_steps < 1):
+        raise ValueError(f"run_steps must be a number of GRPO steps >= 1, or None where unknown; got {run_steps!r}")
     g, cfg = _geometry(s), s.config
     values = {TOKENS: s.profile.tokens, WORLD: s.world_size}
     static = {k: int(v.subs(values)) for k, v in static_memory(s).items()}
     peak_flops = device.peak_flops(s.compute_dtype)
 
-    def seconds(work, rows):
-        return work.seconds(peak_flops, device.bandwidth, device.launch, rows)
+    def seconds(work, rows, per_operator=None):  # the roofline, and each operator's fixed cost
+        fixed = device.launch if per_operator is None else per_operator
+        return work.seconds(peak_flops, device.bandwidth, fixed, rows)
 
-    fwd_u, bwd_u = seconds(s.profile.forward, g.update_rows), seconds(s.profile.backward, g.update_rows)
-    fwd_r = seconds(s.profile.forward, g.rollout_rows)
+    o, forward, backward = overheads, s.profile.forward, s.profile.backward
+    update, rollout = (None, None) if o is None else (o.eager_update, o.eager_forward)
+    fwd_u, bwd_u = seconds(forward, g.update_rows, update), seconds(backward, g.update_rows, update)
+    fwd_r = seconds(forward, g.rollout_rows, rollout)
+    program, compile_seconds = {}, 0.0
+    if o is not None:
+        compile_seconds = o.compile_seconds(forward.count + backward.count)
+        program = dict(kept_extra=forward.count * (o.program_forward - o.eager_forward) + o.call,
+                       backward_extra=(forward.count + backward.count) * o.program_backward
+                       - backward.count * o.eager_update,
+                       served_extra=o.call, compile_share=compile_seconds / run_steps if run_steps else 0.0)
     flops_f, flops_b = s.profile.forward.total_flops, s.profile.backward.total_flops
     ckpt = bool(cfg.gradient_checkpointing)
     kl = cfg.beta > 0
@@ -287,7 +343,8 @@ def plan(s: Scenario, device: Device, budget: int | None = None, *,
     # under checkpointing, its recomputation).
     model = StepModel(s, device, budget, g, values, static, {**static, **_gathered(s)},
                       s.sharding == "fsdp" and s.world_size > 1, native, fwd_u, bwd_u, transient,
-                      g.window_calls * fwd_u * (1 + ckpt), g.window_calls * g.update_rows * flops_f * (1 + ckpt))
+                      g.window_calls * fwd_u * (1 + ckpt), g.window_calls * g.update_rows * flops_f * (1 + ckpt),
+                      **program)
     refused = {r.schedule: str(r) for r in s.refusals}
     estimates = tuple(Estimate(str(name), False, 0, (), math.inf, math.inf, note=refused[name]) if name in refused
                       else estimate(model) for name, estimate in estimators.items())
@@ -299,6 +356,8 @@ def plan(s: Scenario, device: Device, budget: int | None = None, *,
             auto = whole
         if auto.runs is Schedule.RETAIN:
             auto = replace(auto, note=f"{auto.note} ({'per block' if auto.per_block else 'on the gathered weights'})")
+    if auto.runs is Schedule.NATIVE and native.fits:
+        auto = replace(auto, note="native: " + _not_faster(model, native, [e for e in estimates if e.fits]))
     retain_static = static if model.per_block else model.gathered
     limits = _limits(s, g, sum(retain_static.values()), budget, model.per_block)
     reweight = next((e for e in estimates if e.schedule == Schedule.REWEIGHT and e.available), None)
@@ -307,7 +366,7 @@ def plan(s: Scenario, device: Device, budget: int | None = None, *,
         limits += _reweight_limit(s, whole, budget)  # the boundary of Reweight of every parameter
         if model.per_block and reweight_per_block(cfg):
             limits += _reweight_layouts(s, whole, reweight)
-    return CostPlan(device.name, budget, (native, *estimates, auto), limits)
+    return CostPlan(device.name, budget, (native, *estimates, auto), limits, o, compile_seconds, run_steps)
 
 
 def estimate_retain(m: StepModel) -> Estimate:
@@ -318,7 +377,8 @@ def estimate_retain(m: StepModel) -> Estimate:
     return m.estimate(str(Schedule.RETAIN), m.static if m.per_block else m.gathered,
                       {"retained activations": eligible * held,
                        "activations (one call)": m.transient * (m.geometry.optimizer_steps > 1)},
-                      m.native.seconds - eligible * m.saved_seconds, m.native.flops - eligible * m.saved_flops,
+                      m.native.seconds - eligible * m.saved_seconds + m.program_seconds(eligible),
+                      m.native.flops - eligible * m.saved_flops,
                       all_steps(Action.RETAIN, eligible), note=f"every trained step keeps {format_bytes(held)}")
 
 
@@ -408,7 +468,8 @@ def _reweight_at(m: StepModel, fraction: float) -> Estimate:
     share = (f" for the last {fraction:.0%} of the blocks' parameters, the first blocks recomputing"
              if fraction < 1 else "")
     return m.estimate(str(Schedule.REWEIGHT), m.static if per_block else m.gathered, held,
-                      m.native.seconds - g.eligible * per_step + traffic, flops,
+                      m.native.seconds - g.eligible * per_step + traffic
+                      + m.program_seconds(fraction * g.eligible, backwards), flops,
                       tuple(StepAction(i, Action.REWEIGHT, fraction=fraction) for i in range(g.eligible)),
                       note=f"{count} gradient buffers of {format_bytes(fraction * buffer)}{share}{where}")
 
@@ -454,22 +515,24 @@ def _auto(m: StepModel, others: list[Estimate], per_block: bool = False) -> Esti
             room = 0
         break
     steps, seconds, flops, held = [], native.seconds, native.flops, 0
+    kept_step = m.program_seconds(1) - m.compile_share  # what the per-row program adds to a step it serves
     for f in fractions:
         # Forwards of the step saved: the partition at budget f saves the checkpoint's recomputation and f of the
         # forward.
         share = 0.0 if f is None else ckpt + f
         gain = share * forward_s
-        if offload_s > gain and (f is None or f < 1):
+        if offload_s > max(gain, kept_step) and (f is None or f < 1):
             steps.append(StepAction(len(steps), Action.OFFLOAD))
             seconds -= offload_s
             flops -= (1 + ckpt) * forward_f
-        elif f is None:
+        elif f is None or gain <= kept_step:
             steps.append(StepAction(len(steps), Action.RECOMPUTE))
         else:
             steps.append(StepAction(len(steps), Action.RETAIN, fraction=f))
             seconds -= gain
             flops -= share * forward_f
             held += held_at(f)
+    seconds += m.program_seconds(sum(a.kind is not Action.RECOMPUTE for a in steps))
     extra = {"retained activations": held, "activations (one call)": m.transient}
     mix = None
     if any(a.kind is not Action.RECOMPUTE for a in steps):
@@ -483,6 +546,22 @@ def _auto(m: StepModel, others: list[Estimate], per_block: bool = False) -> Esti
         return mix
     return replace(best, schedule=AUTO, note=f"{best.schedule}: {best.note}"
                    + ("" if mix is None or not mix.fits else f"; faster than {mix.note}"))
+
+
+def _not_faster(m: StepModel, native: Estimate, fitting: list[Estimate]) -> str:
+    """Why native where it fits, in numbers: each reuse that fits, predicted no faster, and what the per-row
+    program adds."""
+    if not fitting:
+        return "no reuse fits"
+    why = (f"no reuse is predicted faster: native {native.seconds:.3g} s a step, "
+           + ", ".join(f"{e.schedule} {e.seconds:.3g} s" for e in fitting))
+    added = m.program_seconds(m.geometry.eligible)
+    if added:
+        why += (f"; retaining every trained step saves {m.geometry.eligible * m.saved_seconds:.3g} s of the "
+                f"update's forwards, and the per-row program adds {added:.3g} s to it (its cost per operator and "
+                "the engine's checks against eager's" + (", and its amortised compile" if m.compile_share else "")
+                + ")")
+    return why
 
 
 def describe_steps(steps) -> str:
