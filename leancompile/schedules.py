@@ -256,11 +256,10 @@ def _engine(trainer, schedule: ScheduleRuntime, steps, request: Request, history
     if per_block:
         backbone = trainer.backbone
         if trainer.sync.kind == "fsdp":
-            trainer.sync.per_block = True
             # Back to the shards first: the engines read each block's parameters now, and must see the shards the
             # optimizer updates (their versions), not the gathered copies the analyses ran on (``trainer`` may be
             # the view on those: the sharded backbone is the sync's).
-            trainer.sync.release()
+            trainer.sync.run_per_block()
             backbone = trainer.sync.root
         blocks = [block for _, stack in backbone.block_stacks() for block in stack]
         return RegionalEngine(backbone, blocks, schedule.for_block, request.tune_matmuls, history,

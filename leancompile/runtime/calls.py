@@ -30,7 +30,7 @@ class Call:
     refusal: str | None  # why this call cannot be kept or served (None: it can)
     # What identifies its rows, where not its own row inputs: a block's call inside a verified backbone call is
     # identified by the backbone call's rows (see runtime.regional)
-    identity: tuple[torch.Tensor, ...] | None = None
+    verified_rows: tuple[torch.Tensor, ...] | None = None
 
     @classmethod
     def of(cls, args: tuple, kwargs: dict, shared: frozenset[str] = frozenset()) -> "Call":
@@ -63,7 +63,7 @@ class Call:
     @property
     def identity_rows(self) -> tuple[torch.Tensor, ...]:
         """The tensors whose rows identify the call's rows: compared bitwise with a kept call's."""
-        return self.row_inputs if self.identity is None else self.identity
+        return self.row_inputs if self.verified_rows is None else self.verified_rows
 
     @property
     def whole_inputs(self) -> tuple[torch.Tensor, ...]:

@@ -124,7 +124,7 @@ class ReuseEngine:
             verified = self.verified(call)
             if verified.rows is None:
                 return self._native(call, verified.reason, verified.kind)
-            call, context = dataclasses.replace(call, identity=verified.rows), verified.context
+            call, context = dataclasses.replace(call, verified_rows=verified.rows), verified.context
         if directive.keep is not None:
             return self._keep(call, self.reader.read(call), start, directive.keep, directive.made)
         if torch.is_grad_enabled() and self._leaves is None:

@@ -216,7 +216,9 @@ class RegionalEngine:
         if not self.schedule.advantages:
             raise ValueError(f"provisional loss heads need schedule='reweight'; the blocks run {self.schedule.name}")
         heads_ = Heads(len(heads))
-        recorders = [BlockProvisional(engine, engine.kept, heads_) for engine in self.engines]
+        # FSDP2: a block whose forward hooks the heads skip (see __call__) is gathered for its one-row backward
+        recorders = [BlockProvisional(engine, engine.kept, heads_, gathers=_hooks_of(block) is not None)
+                     for block, engine in zip(self.blocks, self.engines)]
         pending = [kept for recorder in recorders for kept in recorder.pending.values()]
         if not pending:
             return
@@ -229,8 +231,6 @@ class RegionalEngine:
             # the values engine keeps the heads' calls without grad that match nothing kept (see __init__)
             # FSDP2: a verified call's answered blocks read no weight in the heads' forward (see __call__)
             self._answered = [block for block, recorder in zip(self.blocks, recorders) if recorder.pending]
-            for recorder in recorders:
-                recorder.gathers = _hooks_of(recorder.engine.backbone) is not None
             with torch.enable_grad(), self._values.answering_with_leaves():
                 losses = []
                 for head in heads:

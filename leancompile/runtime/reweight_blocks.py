@@ -35,13 +35,13 @@ class BlockProvisional:
     the block's calls with grad during the heads, and keeps, per kept call and head, the per-row gradients of its
     weights and inputs that each row's cotangent gave."""
 
-    def __init__(self, engine, calls: list[KeptCall], heads: Heads):
+    def __init__(self, engine, calls: list[KeptCall], heads: Heads, gathers: bool = False):
         self.engine, self.heads = engine, heads
         self.pending = {id(kept): kept for kept in calls
                         if kept.rowwise is not None and not isinstance(kept.rows, ProvisionalRows)}
         # id(kept) -> head -> (per-parameter gradients, {input position: gradients}), each (rows, ...)
         self.received: dict[int, dict[int, tuple]] = {}
-        self.gathers = False  # FSDP2: the heads' forward skipped the block's hooks; its backward gathers it here
+        self.gathers = gathers  # FSDP2: the heads' forward skipped the block's hooks; its backward gathers it here
 
     def answer(self, token: torch.Tensor):
         """What the block engine returns for a call under the heads: the kept output, joined to the module's graph

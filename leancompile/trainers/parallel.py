@@ -153,6 +153,12 @@ class FSDPSync(GradientSync):
         self._view = None  # (plain backbone, whole trainable weights), built on the first gather
         self._whole = {}  # name -> whole parameter (the module's unsharded one; FSDP2 reuses it across gathers)
 
+    def run_per_block(self) -> None:
+        """Steps run per transformer block from now on (runtime.regional): the backbone's own FSDP2 hooks gather
+        each block, and the whole weights are never gathered; back to the shards now, which the engines read."""
+        self.per_block = True
+        self.release()
+
     @contextlib.contextmanager
     def backward(self, sync: bool):
         if self.gathered:  # the plain copy has no FSDP hooks: the gradients are whole until reduce-scattered here
