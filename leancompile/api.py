@@ -99,9 +99,9 @@ def _reference_engine(trainer, engine) -> ReuseEngine | None:
     disabled, whose calls the backbone's engine sees) gets an engine of its own, so that it runs once per kept row;
     its calls are recorded in the backbone engine's log, in call order."""
     reference = getattr(trainer, "reference", None)
-    if engine is None or not engine.schedule.advantages or not isinstance(reference, torch.nn.Module):
+    if engine is None or not engine.schedule_runtime.advantages or not isinstance(reference, torch.nn.Module):
         return None
-    return ReuseEngine(reference, engine.schedule, {}, log=engine.log)
+    return ReuseEngine(reference, engine.schedule_runtime, {}, log=engine.log)
 
 
 def _on_weights(trainer, backbone, trainable):

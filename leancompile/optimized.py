@@ -121,7 +121,7 @@ class Optimized:
 
     def rollout_step(self, step, rows, x, cond, sde):
         x_next, log_prob = super().rollout_step(step, rows, x, cond, sde)
-        if self._kept_now and self._engine.schedule.advantages:
+        if self._kept_now and self._engine.schedule_runtime.advantages:
             self._provisional(step, rows, x, x_next, log_prob, cond)
         self._kept_now = ()
         return x_next, log_prob
@@ -143,7 +143,7 @@ class Optimized:
         with torch.enable_grad(), contextlib.ExitStack() as reference:
             if self._reference_engine is not None:  # the heads' reference calls run once; the update's are served
                 reference.enter_context(self._reference_engine.answering_with_leaves())
-            self._engine.provisional([head(a) for a in self._engine.schedule.advantages])
+            self._engine.provisional([head(a) for a in self._engine.schedule_runtime.advantages])
 
     def optimizer_step(self):
         super().optimizer_step()

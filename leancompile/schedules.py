@@ -246,7 +246,7 @@ class Graphs(dict):
         return [self[name] for name in self]
 
 
-def _engine(trainer, schedule: ScheduleRuntime, steps, request: Request, history: passes.PassHistory,
+def _engine(trainer, schedule_runtime: ScheduleRuntime, steps, request: Request, history: passes.PassHistory,
             per_block: bool = False):
     """The engine for ``trainer``'s backbone: one per-row backbone per activation budget the plan uses, or with
     ``per_block`` one engine per transformer block (FSDP2's own gathers kept, see runtime.regional), each with one
@@ -262,7 +262,7 @@ def _engine(trainer, schedule: ScheduleRuntime, steps, request: Request, history
             trainer.sync.run_per_block()
             backbone = trainer.sync.root
         blocks = [block for _, stack in backbone.block_stacks() for block in stack]
-        return RegionalEngine(backbone, blocks, schedule.for_block, request.tune_matmuls, history,
+        return RegionalEngine(backbone, blocks, schedule_runtime.for_block, request.tune_matmuls, history,
                               shared=backbone.spec.block_shared, fractions=tuple(fractions), policy=StepPolicy())
     # The whole call runs on the weights the step runs on: the trainer's, or under FSDP2 its gathered copy (the
     # analyses ran on fake ones).
@@ -272,7 +272,7 @@ def _engine(trainer, schedule: ScheduleRuntime, steps, request: Request, history
                for f in sorted(fractions)}
     # auto's plan is checked against native at run time in one process (runtime.auto): each kept and served call
     # timed
-    return ReuseEngine(backbone, schedule, rowwise, StepPolicy(), sync=trainer.sync,
+    return ReuseEngine(backbone, schedule_runtime, rowwise, StepPolicy(), sync=trainer.sync,
                        timed=request.schedule == AUTO and trainer.sync.world_size == 1)
 
 

@@ -30,7 +30,7 @@ class Wrapped(torch.nn.Module):
         row (another normalisation, the advantages' sign) still gives native's gradient, and one that is wrong
         otherwise makes the served calls recompute."""
         runtime = self.__dict__[RUNTIME].serving
-        schedule = runtime.engine.schedule
+        schedule = runtime.engine.schedule_runtime
         if not schedule.advantages:
             raise ValueError("provisional: the module was wrapped with schedule="
                              f"{runtime.policy.action.label!r}; wrap it with schedule='reweight'")

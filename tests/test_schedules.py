@@ -38,7 +38,7 @@ def test_every_registered_schedule_is_offered_everywhere_it_could_run(capsys):
     for name in names:
         assert optimize(_trainer(), name).plan.schedule == name
         wrapped = wrap(backbones.tiny("sd3", seed=0), schedule=name)
-        assert type(wrapped.engine.schedule) is SCHEDULES[name].runtime
+        assert type(wrapped.engine.schedule_runtime) is SCHEDULES[name].runtime
         assert wrapped.engine.policy.action.kind is Action(name)
 
 

@@ -48,7 +48,7 @@ def reweight(trainer):
     if wrapped is None:
         raise ValueError("trainer.model is not wrapped: build the trainer on "
                          "model = leancompile.wrap(model, schedule='reweight')")
-    if not wrapped.engine.schedule.advantages:
+    if not wrapped.engine.schedule_runtime.advantages:
         raise ValueError("the trainer's model was wrapped with another schedule than Reweight; wrap it with "
                          "schedule='reweight'")
     args = trainer.args

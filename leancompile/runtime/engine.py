@@ -72,9 +72,9 @@ class Verified:
 
 class ReuseEngine:
     """Routes the calls of one module (``backbone``; any arguments, see :mod:`.calls`) through kept calls of
-    ``schedule``; ``policy`` says which calls to keep."""
+    ``schedule_runtime`` (its schedule's hooks); ``policy`` says which calls to keep."""
 
-    def __init__(self, backbone, schedule: ScheduleRuntime, rowwise: dict[float, RowwiseBackbone],
+    def __init__(self, backbone, schedule_runtime: ScheduleRuntime, rowwise: dict[float, RowwiseBackbone],
                  policy: KeepPolicy | None = None, sync=None, shared: frozenset[str] = frozenset(), native=None,
                  timed: bool = False, verified=None, log: StepLog | None = None):
         """``verified(call) -> Verified``: where a caller verifies this engine's calls (a block's engine, see
@@ -87,7 +87,7 @@ class ReuseEngine:
         self.native = native if native is not None else backbone
         self.shared = shared  # keyword arguments every row shares whatever their size (see runtime.calls)
         self.sync = sync  # the trainer's gradient sync: FSDP2 gathers the current shards before a call
-        self.schedule = schedule
+        self.schedule_runtime = schedule_runtime
         self.rowwise = rowwise  # one per activation budget (Retain's partial retention)
         self.verified = verified
         self.reader = StateReader(backbone, sync.sources() if sync is not None else ())
@@ -149,9 +149,9 @@ class ReuseEngine:
         if match is not None:
             inputs, reason, kind = self._grad_inputs(match, call)
             if reason is None:
-                reason, kind = self.schedule.claim(match) or (None, "")
+                reason, kind = self.schedule_runtime.claim(match) or (None, "")
             if reason is None:
-                record = CallRecord("served", len(match.places), f"verified ({self.schedule.name})")
+                record = CallRecord("served", len(match.places), f"verified ({self.schedule_runtime.name})")
                 self.log.records.append(record)
                 tensors = call.tensors
                 return match.output(_Served.apply(self, match, call, record, inputs, context,
@@ -191,7 +191,7 @@ class ReuseEngine:
         inputs = tuple(i for i, t in enumerate(call.tensors) if t.requires_grad)
         if not inputs:
             return inputs, None, ""
-        if not self.schedule.input_gradients:
+        if not self.schedule_runtime.input_gradients:
             return inputs, "an input requires grad: its gradient is not kept", "input grad"
         kept = match.places[0][0]
         if not set(inputs) <= set(kept.rowwise.program_of(kept.key).input_grads):
@@ -206,18 +206,18 @@ class ReuseEngine:
         rowwise = self.rowwise[action.fraction]
         key = state.compile_key
         program = rowwise.program(key, call)
-        refusal = program.refusal or self.schedule.refusal(self, key, call)
+        refusal = program.refusal or self.schedule_runtime.refusal(self, key, call)
         if refusal is not None:
             self.log.records.append(CallRecord("not kept", call.batch, refusal, "not keepable"))
             return self.native(*call.args, **call.kwargs)
         began = self._clock(call.device)
-        output, saved = self.schedule.forward(self, rowwise, key, call)
+        output, saved = self.schedule_runtime.forward(self, rowwise, key, call)
         seconds = self._clock(call.device) - began
         start = time.perf_counter()
         kept = self.store.add(state, call, output=output, layout=program.output, rowwise=rowwise, key=key)
         self.check_seconds += time.perf_counter() - start
         began = self._clock(call.device)
-        self.schedule.keep(self, kept, saved, action)
+        self.schedule_runtime.keep(self, kept, saved, action)
         seconds += self._clock(call.device) - began
         self.store.count(kept.nbytes)
         if made is not None:
@@ -238,7 +238,7 @@ class ReuseEngine:
         return found
 
     def _available(self, kept: KeptCall, row: int) -> bool:
-        return self.schedule.available(kept, row) and (id(kept), row) not in self._answered
+        return self.schedule_runtime.available(kept, row) and (id(kept), row) not in self._answered
 
     def _modes_agree(self, kept: KeptCall, state, call: Call) -> str | None:
         """Why ``call``, under its own training flags, may not run the graphs the kept call ran (None: it runs the
@@ -288,7 +288,7 @@ class ReuseEngine:
         """Backpropagate the loss ``heads`` (callables returning the loss on this module's calls) through the kept
         calls that have not been yet (the schedule's, see ScheduleRuntime.advantages)."""
         with torch.enable_grad():
-            self.schedule.provisional(self, list(self.store), heads)
+            self.schedule_runtime.provisional(self, list(self.store), heads)
 
     # ----------------------------------------------------------------------------------------- lifetime
 
@@ -298,7 +298,8 @@ class ReuseEngine:
 
     def take_stats(self) -> dict:
         """What happened since the last time: calls served and recomputed and why, peak bytes held, check time."""
-        stats = {**self.log.stats(), self.schedule.held: self.store.take_peak(), "check_seconds": self.check_seconds}
+        stats = {**self.log.stats(), self.schedule_runtime.held: self.store.take_peak(),
+                 "check_seconds": self.check_seconds}
         self.log.records.clear()
         self.check_seconds = 0.0
         return stats
@@ -325,7 +326,7 @@ class _Served(torch.autograd.Function):
     def backward(ctx, cotangent):
         engine, match = ctx.engine, ctx.match
         began = engine._clock(cotangent.device)
-        grads = engine.schedule.gradients(engine, match, cotangent, ctx.inputs, ctx.context)
+        grads = engine.schedule_runtime.gradients(engine, match, cotangent, ctx.inputs, ctx.context)
         ctx.record.seconds = engine._clock(cotangent.device) - began
         if grads is None:
             ctx.record.action, ctx.record.kind = "recomputed", "cotangent"

@@ -57,10 +57,11 @@ class RegionalEngine:
     """The backbone's calls run natively with each block's calls routed through the block's own engine."""
 
     def __init__(self, backbone: torch.nn.Module, blocks: list[torch.nn.Module],
-                 schedule: Callable[[], ScheduleRuntime], tune_matmuls: bool = True, history: PassHistory | None = None,
-                 shared: tuple[str, ...] = (), call_shared: frozenset[str] = frozenset(),
-                 fractions: tuple[float, ...] = (1.0,), policy: KeepPolicy | None = None):
-        """``schedule`` makes each block's schedule; it must serve calls whose inputs require grad (Retain).
+                 block_runtime: Callable[[], ScheduleRuntime], tune_matmuls: bool = True,
+                 history: PassHistory | None = None, shared: tuple[str, ...] = (),
+                 call_shared: frozenset[str] = frozenset(), fractions: tuple[float, ...] = (1.0,),
+                 policy: KeepPolicy | None = None):
+        """``block_runtime`` makes each block's schedule runtime; it must serve calls whose inputs require grad.
         ``shared``: the blocks' arguments that every row shares whatever their leading size (a family's
         ``block_shared``); ``call_shared``: the backbone's (see runtime.calls). ``fractions``: the activation
         memory budgets the plan keeps steps at (each block's partition at each). ``policy``: which backbone calls
@@ -79,7 +80,7 @@ class RegionalEngine:
             rowwise = {f: RowwiseBackbone(block, f, tune_matmuls, history, traced=traced, live_weights=True,
                                           input_grads=True, programs=programs.setdefault((kind, f), {}))
                        for f in sorted({*fractions, 1.0})}
-            self.engines.append(ReuseEngine(block, schedule(), rowwise, policy, native=native, log=self.log,
+            self.engines.append(ReuseEngine(block, block_runtime(), rowwise, policy, native=native, log=self.log,
                                             shared=frozenset(shared), verified=self._verified))
         self._routes = [_ByName(engine, type(block).forward) for block, engine in zip(self.blocks, self.engines)]
         self.reader = StateReader(backbone)
@@ -93,14 +94,14 @@ class RegionalEngine:
         self._outputs: dict[tuple, object] = {}
         # Reweight: a call without grad that matches no kept call (a KL reference with the adapters off) runs once
         # during the heads and its values are kept; the other heads' and the update's equal calls are served them
-        self._values = ReuseEngine(backbone, self.engines[0].schedule, {}, shared=call_shared, native=self._natively,
-                                   log=self.log)
+        self._values = ReuseEngine(backbone, self.engines[0].schedule_runtime, {}, shared=call_shared,
+                                   native=self._natively, log=self.log)
         self._idle: frozenset[int] = frozenset()  # blocks the heads run without grad (see provisional)
         self._answered: list[torch.nn.Module] = []  # blocks the heads answer with kept outputs (see provisional)
         self._sharded = any(fully_sharded(block) for block in self.blocks)  # by FSDP2
-        self.schedule = self.engines[0].schedule
-        if not self.schedule.input_gradients:
-            raise ValueError(f"{self.schedule.name} cannot serve a block: its served calls do not return their "
+        self.schedule_runtime = self.engines[0].schedule_runtime
+        if not self.schedule_runtime.input_gradients:
+            raise ValueError(f"{self.schedule_runtime.name} cannot serve a block: its served calls do not return their "
                              "inputs' gradients")
         self.rowwise = self.engines[0].rowwise  # the first block's programs, for inspection
 
@@ -179,7 +180,7 @@ class RegionalEngine:
         if found.match is not None:
             if not torch.is_grad_enabled():
                 return Verified(call.row_inputs), None
-            context, refusal = self.schedule.block_context(found, self._precision)
+            context, refusal = self.schedule_runtime.block_context(found, self._precision)
             if refusal is not None:
                 return Verified(None, refusal, "inputs"), None
             return Verified(call.row_inputs, context=context), None
@@ -213,8 +214,9 @@ class RegionalEngine:
         through the module's own graph, so that each block's cotangent comes from the module around it and FSDP2
         gathers the block's weights for its one-row backward as it does for native's (and reduce-scatters nothing:
         no parameter receives a gradient). Every kept call not backpropagated yet is."""
-        if not self.schedule.advantages:
-            raise ValueError(f"provisional loss heads need schedule='reweight'; the blocks run {self.schedule.name}")
+        if not self.schedule_runtime.advantages:
+            raise ValueError("provisional loss heads need schedule='reweight'; the blocks run "
+                             f"{self.schedule_runtime.name}")
         heads_ = Heads(len(heads))
         # FSDP2: a block whose forward hooks the heads skip (see __call__) is gathered for its one-row backward
         recorders = [BlockProvisional(engine, engine.kept, heads_, gathers=_hooks_of(block) is not None)
@@ -299,7 +301,7 @@ class RegionalEngine:
         with contextlib.ExitStack() as stack:
             if action is not None:
                 sizes = [sum(p.numel() for p in block.parameters() if p.requires_grad) for block in self.blocks]
-                kept, each = self.schedule.blocks_kept(action, sizes)
+                kept, each = self.schedule_runtime.blocks_kept(action, sizes)
                 for i, policy in enumerate(self._block_policies):
                     stack.enter_context(policy.keeping(each) if i in kept else policy.passing())
             elif directive.unchecked:
@@ -321,7 +323,7 @@ class RegionalEngine:
         return stats
 
     def _summed(self, stats: dict, blocks: list[dict]) -> dict:
-        for name in (self.schedule.held, "check_seconds"):
+        for name in (self.schedule_runtime.held, "check_seconds"):
             stats[name] = sum(s[name] for s in blocks)
         self.log.records.clear()
         return stats
