@@ -32,8 +32,11 @@ FIXES = {
               "own tensors, in the same dtype",
     TRAINING_FLAGS: "the rollout and the update run the module in different modes and a submodule computes "
                     "differently in the two (dropout with p > 0): run both in one mode, or set that p to 0",
-    "weights": "an optimizer step came between the rollout and the update: only the update's calls before the "
-               "first optimizer step after a rollout can be served",
+    "weights": "the weights were written between the rollout and the update (an optimizer step, load_state_dict): "
+               "only the update's calls before the first optimizer step after a rollout can be served",
+    "written": "weights were written through .data or another alias between the rollout and the update (a reference "
+               "or EMA swapped in): a call made while they are swapped in recomputes; swap them back before the "
+               "update's calls",
     "autocast": "the update runs under another autocast state than the rollout: use the same one in both",
     "module state": "adapters or requires_grad differ between the rollout and the update (a KL reference runs "
                     "natively by design)",

@@ -44,6 +44,16 @@ class CallRecord:
     seconds: float = 0.0  # the program's own time for it (kept: its forward and keep; served: its backward)
 
 
+# The peak bytes the kept calls held, by what: activations (Retain), per-row gradients (Reweight)
+HELD = ("retained_bytes", "buffer_bytes")
+
+
+def no_stats() -> dict:
+    """The statistics of a step in which nothing went through an engine: every key of the schema, at zero (a module
+    run natively, auto's fallback, a refused framework), so that a loop reads the same keys whatever happened."""
+    return {**StepLog().stats(), **dict.fromkeys(HELD, 0), "check_seconds": 0.0}
+
+
 @dataclass
 class StepLog:
     records: list[CallRecord] = field(default_factory=list)
@@ -228,14 +238,10 @@ class ReuseEngine:
     # ------------------------------------------------------------------------------------------ serving
 
     def _lookup(self, call: Call, keys) -> Found:
-        """The kept rows that verifiably recompute this call's rows, or why not; once per update phase (the first
-        match after calls were kept, the rollout's own heads aside) the weights' fingerprint is compared too."""
+        """The kept rows that verifiably recompute this call's rows (the weights' values included), or why not."""
         heads = self._leaves is not None
-        found = self.store.lookup(call, keys, self._modes_agree, self._available,
-                                  (lambda kept, row: self._answered.add((id(kept), row))) if heads else None)
-        if found.match is not None and not heads and self.store.written_in_place():
-            return Found(None, "a weight was written in place (through .data) since it was kept", "weights")
-        return found
+        return self.store.lookup(call, keys, self._modes_agree, self._available,
+                                 (lambda kept, row: self._answered.add((id(kept), row))) if heads else None)
 
     def _available(self, kept: KeptCall, row: int) -> bool:
         return self.schedule_runtime.available(kept, row) and (id(kept), row) not in self._answered
@@ -298,7 +304,7 @@ class ReuseEngine:
 
     def take_stats(self) -> dict:
         """What happened since the last time: calls served and recomputed and why, peak bytes held, check time."""
-        stats = {**self.log.stats(), self.schedule_runtime.held: self.store.take_peak(),
+        stats = {**no_stats(), **self.log.stats(), self.schedule_runtime.held: self.store.take_peak(),
                  "check_seconds": self.check_seconds}
         self.log.records.clear()
         self.check_seconds = 0.0

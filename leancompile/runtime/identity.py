@@ -5,8 +5,9 @@ receives: latents, sigma, text and pooled conditioning, ids, masks; :mod:`.calls
 are bitwise equal, the non-tensor arguments are equal, and the call's
 state is the same: every parameter and buffer unmodified (version counters, frozen ones included), every
 submodule's training flag, each LoRA layer's adapters enabled or not, which parameters require grad, and the
-autocast state of the call's device. A weight fingerprint, checked once per update phase, also catches writes
-through ``.data`` (which bump no version counter). Random operators are refused where the call is compiled.
+autocast state of the call's device. An exact digest of every weight's values (:mod:`.digest`), taken per kept call
+and compared per answer, also catches writes that move no version counter (through ``.data``, ``set_``, another
+alias). Random operators are refused where the call is compiled.
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from .calls import Call
+from .digest import Unreadable, digest
 
 
 TRAINING_FLAGS = "training flags"
@@ -66,8 +68,9 @@ class CallState:
         if kind == "weights":
             changed = sum(a != b for a, b in zip(self.versions, other.versions))
             name = _first(reader.tensor_names, self.versions, other.versions)
-            return (f"{changed} of {len(self.versions)} parameters and buffers were written since the kept call (an "
-                    f"optimizer step), {name} first: a call after it recomputes")
+            return (f"{changed} of {len(self.versions)} parameters and buffers were written since the kept call "
+                    f"(their version counters moved: an optimizer step, load_state_dict, an in-place write), {name} "
+                    "first: a call after it recomputes")
         if kind == TRAINING_FLAGS:
             changed = [i for i, (a, b) in enumerate(zip(self.training, other.training)) if a != b]
             # A submodule that reads its flag where it changes the result, where one can be found
@@ -87,7 +90,9 @@ class CallState:
 class StateReader:
     """Reads :class:`CallState` for one backbone (its module and tensor lists taken once)."""
 
-    def __init__(self, backbone: torch.nn.Module, sources: list[torch.Tensor] = ()):
+    def __init__(self, backbone: torch.nn.Module, sources: list[torch.Tensor] = (), others: tuple = ()):
+        """``sources``: what the weights are copies of, where they are (FSDP2's shards); ``others``: tensors whose
+        values other readers digest (a module's blocks, each digested by its own engine)."""
         named = list(backbone.named_modules())
         self.module_names, self.modules = [n for n, _ in named], [m for _, m in named]
         # Each module's flag read from its instance dict: an attribute lookup walks the class's whole MRO whenever
@@ -100,8 +105,10 @@ class StateReader:
         self.tensors = [*self.parameters, *(b for _, b in buffers)]
         shards = (f"shard {i}" for i in range(len(sources)))
         self.tensor_names = [*self.parameter_names, *(n for n, _ in buffers), *shards]
-        # What the weights are copies of (FSDP2 shards) is versioned too.
+        # What the weights are copies of (FSDP2 shards) is versioned and digested too.
         self.versioned = [*self.tensors, *sources]
+        skip = {id(t) for t in others}
+        self.digested = [(name, t) for name, t in zip(self.tensor_names, self.versioned) if id(t) not in skip]
 
     def read(self, call: Call) -> CallState:
         device = call.device.type
@@ -115,14 +122,26 @@ class StateReader:
         """The version counters of every parameter and buffer (and what they are copies of)."""
         return tuple(map(_VERSION, self.versioned))
 
-    def fingerprint(self) -> torch.Tensor:
-        """Each weight's norm, one fused pass over all of them: it moves when a write through ``.data`` changes
-        a weight (a write that keeps a whole tensor's norm, such as a permutation, would not show)."""
-        # A sharded weight (FSDP2's DTensor) by its local shard: each rank checks its own.
-        tensors = [t.detach().to_local() if hasattr(t, "to_local") else t.detach() for t in self.tensors if t.numel()]
-        if not tensors:
-            return torch.zeros(0, device="cpu")
-        return torch.stack(torch._foreach_norm(tensors))
+    def digest(self) -> torch.Tensor | None:
+        """The exact digest of every weight's values (one int64 per tensor); None where a tensor's storage holds no
+        values (freed by a framework), so that nothing is answered by comparing it."""
+        try:
+            return digest([t for _, t in self.digested])
+        except Unreadable:
+            return None
+
+    def written(self, kept: torch.Tensor | None, now: torch.Tensor | None) -> str | None:
+        """Why weights whose digest is ``now`` are not the ones a call kept with ``kept`` was made with (None: they
+        are the same values)."""
+        if kept is None or now is None:
+            return ("a weight's storage held no values when the call was kept or now (a framework freed it), so the "
+                    "weights could not be compared")
+        if torch.equal(kept, now):
+            return None
+        changed = (kept != now).nonzero().flatten().tolist()
+        return (f"{len(changed)} of {len(self.digested)} parameters and buffers hold other values than when the call "
+                f"was kept, {self.digested[changed[0]][0]} first, and no version counter moved: they were written "
+                "through .data, set_ or another alias (a reference or EMA swap)")
 
 
 def _reads_its_flag(module: torch.nn.Module) -> bool:

@@ -39,7 +39,7 @@ from ..backbones.plain import fully_sharded, plain_copy
 from ..passes.pipeline import PassHistory
 from ..plan import StepAction
 from .calls import Call, bound, output_layout
-from .engine import ReuseEngine, StepLog, Verified
+from .engine import HELD, ReuseEngine, StepLog, Verified, no_stats
 from .identity import StateReader, row_keys
 from .modes import ModeProof
 from .policy import Directive, KeepPolicy, StepPolicy
@@ -47,7 +47,7 @@ from .reweight import LowestPrecision, coarsest
 from .reweight_blocks import BlockProvisional, Heads
 from .rowwise import RowwiseBackbone
 from .schedule_runtime import ScheduleRuntime
-from .store import Found, KeptCall, KeptCalls
+from .store import KeptCall, KeptCalls
 
 
 _IDLE = Verified(None, "no backbone call is running", "arguments")
@@ -83,8 +83,9 @@ class RegionalEngine:
             self.engines.append(ReuseEngine(block, block_runtime(), rowwise, policy, native=native, log=self.log,
                                             shared=frozenset(shared), verified=self._verified))
         self._routes = [_ByName(engine, type(block).forward) for block, engine in zip(self.blocks, self.engines)]
-        self.reader = StateReader(backbone)
-        self.store = KeptCalls(self.reader)  # the kept backbone calls (inputs and state; the blocks keep the rest)
+        # The kept backbone calls (inputs and state; the blocks keep the rest, and digest their own weights)
+        self.reader = StateReader(backbone, others=[t for engine in self.engines for t in engine.reader.versioned])
+        self.store = KeptCalls(self.reader)
         self._modes = ModeProof(backbone, self.reader)
         self._precision: torch.dtype | None = None  # the coarsest the heads' cotangents were computed in
         self._current: Verified = _IDLE  # the backbone call running now, as its blocks' calls see it
@@ -174,9 +175,6 @@ class RegionalEngine:
         if directive.keep is not None:
             return self._keep(call, state, directive.made), directive.keep
         found = self.store.lookup(call, row_keys(call.row_inputs), self._modes_agree, state=state)
-        if found.match is not None and not self.answering_with_leaves_now and self.store.written_in_place():
-            self._free_blocks()
-            found = Found(None, "a weight was written in place (through .data) since it was kept", "weights")
         if found.match is not None:
             if not torch.is_grad_enabled():
                 return Verified(call.row_inputs), None
@@ -323,7 +321,8 @@ class RegionalEngine:
         return stats
 
     def _summed(self, stats: dict, blocks: list[dict]) -> dict:
-        for name in (self.schedule_runtime.held, "check_seconds"):
+        stats = {**no_stats(), **stats}
+        for name in (*HELD, "check_seconds"):
             stats[name] = sum(s[name] for s in blocks)
         self.log.records.clear()
         return stats

@@ -15,7 +15,7 @@ class ScheduleRuntime:
     backward turns the call's cotangent into parameter gradients."""
 
     name = "schedule"
-    held = "held_bytes"  # the statistic that reports the peak bytes it keeps
+    held = "retained_bytes"  # the statistic that reports the peak bytes it keeps (one of engine.HELD)
     input_gradients = False  # whether a served call's inputs may require grad (their gradients are returned too)
     # The provisional advantages its loss heads run at, right after a kept call (none: it runs no heads)
     advantages: tuple[float, ...] = ()

@@ -5,12 +5,13 @@ A kept call holds its rows' inputs (indexed by a digest of each row, :func:`~.id
 row shares and its state (:class:`~.identity.CallState`); what else it holds is its engine's and its schedule's
 (output values, saved tensors, provisional gradients). A lookup finds, per row of a call, a kept row with the same
 digest in the same state, then checks the rows bitwise. Kept calls of other weights' versions can never match
-again (counters only grow) and are freed, and the reason is kept for the calls that follow. A fingerprint of the
-weights, taken when the first call is kept, is compared once per update phase: writes through ``.data`` move no
-version counter.
+again (counters only grow) and are freed, and the reason is kept for the calls that follow. Each kept call holds the
+digest of the weights' values it was made with (:mod:`.digest`), compared with theirs now at every answer: writes through ``.data`` move no version
+counter, and weights swapped out and back in (a reference, an EMA) serve again.
 """
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -35,6 +36,7 @@ class KeptCall:
     key: tuple = ()  # its program's key in ``rowwise``
     rows: object = None  # the schedule's per-row record (saved tensors, provisional gradients)
     nbytes: int = 0  # what the schedule holds for it
+    weights: torch.Tensor | None = None  # the digest of the weights' values it was made with (None: unreadable)
 
 
 @dataclass(frozen=True)
@@ -93,8 +95,6 @@ class KeptCalls:
         self.reader = reader
         self.calls: list[KeptCall] = []
         self._index: dict[tuple, list[tuple[KeptCall, int]]] = {}
-        self._fingerprint: torch.Tensor | None = None  # of the weights the kept calls were made with
-        self._checked = True  # the fingerprint was compared since the last call was kept
         self.stale: str | None = None  # why the kept calls were last freed, where the weights changed
         self.held_bytes = 0
         self.peak_bytes = 0
@@ -110,11 +110,8 @@ class KeptCalls:
         kept call's other fields."""
         self.drop_stale(state)
         self.stale = None
-        if self._fingerprint is None:
-            self._fingerprint = self.reader.fingerprint()
-        self._checked = False  # the next update phase compares the fingerprint again
         kept = KeptCall(state, tuple(t.detach() for t in call.identity_rows),
-                        tuple(t.detach() for t in call.whole_inputs), **held)
+                        tuple(t.detach() for t in call.whole_inputs), weights=self.reader.digest(), **held)
         self.calls.append(kept)
         for row, digest in enumerate(keys if keys is not None else row_keys(call.identity_rows)):
             self._index.setdefault(digest, []).append((kept, row))
@@ -142,6 +139,7 @@ class KeptCalls:
         state = state if state is not None else self.reader.read(call)
         if self.drop_stale(state):  # made with other weights: never matched again
             return Found(None, *self.empty())
+        weights = functools.cache(self.reader.digest)  # read once, where a kept call's state is the call's
         places, repeated = [], False
         differences: dict[str, str] = {}  # per kind of difference, the reason of the first kept call that differs so
         verdicts: dict[int, str | None] = {}  # per kept call (its rows share one state): its difference
@@ -150,7 +148,7 @@ class KeptCalls:
             for kept, kept_row in _in_order(kept_rows, places[-1] if places else None,
                                              candidates[i + 1] if i + 1 < len(candidates) else ()):
                 if id(kept) not in verdicts:
-                    verdicts[id(kept)] = self._difference(kept, state, call, agree, differences)
+                    verdicts[id(kept)] = self._difference(kept, state, call, agree, differences, weights)
                 if verdicts[id(kept)] is not None:
                     continue
                 equal += 1
@@ -180,13 +178,14 @@ class KeptCalls:
         return Found(match, repeated=repeated)
 
     def _difference(self, kept: KeptCall, state: CallState, call: Call, agree: ModesAgree,
-                    differences: dict[str, str]) -> str | None:
-        """The kind in which ``kept``'s state differs from ``state`` where it matters (None: it may serve); the
-        reason is recorded in ``differences`` under its kind."""
+                    differences: dict[str, str], weights: Callable) -> str | None:
+        """The kind in which ``kept``'s state differs from ``state`` where it matters, or its weights' values from
+        the weights' now (None: it may serve); the reason is recorded in ``differences`` under its kind."""
         difference = kept.state.difference(state)
-        if difference is None:
-            return None
-        why = agree(kept, state, call) if difference == TRAINING_FLAGS else kept.state.explain(state, self.reader)
+        if difference is None or difference == TRAINING_FLAGS and agree(kept, state, call) is None:
+            difference, why = WRITTEN, self.reader.written(kept.weights, weights())
+        else:
+            why = agree(kept, state, call) if difference == TRAINING_FLAGS else kept.state.explain(state, self.reader)
         if why is None:
             return None
         differences.setdefault(difference, why)
@@ -197,17 +196,6 @@ class KeptCalls:
         if self.stale is not None:  # freed because the weights changed: that is the reason
             return f"the kept calls were freed: {self.stale}", "weights"
         return "nothing kept", "nothing kept"
-
-    def written_in_place(self) -> bool:
-        """Once per update phase (the first match after calls were kept): whether a weight was written through
-        ``.data`` since the first kept call, which moves no version counter; then every kept call is freed."""
-        if self._checked:
-            return False
-        self._checked = True
-        if torch.equal(self.reader.fingerprint(), self._fingerprint):
-            return False
-        self.release()
-        return True
 
     # ------------------------------------------------------------------------------------------- freeing
 
@@ -228,8 +216,6 @@ class KeptCalls:
         self._index = {key: kept_rows for key, rows in self._index.items()
                        if (kept_rows := [(k, r) for k, r in rows if id(k) not in dropped])}
         self.held_bytes = sum(k.nbytes for k in self.calls)
-        if not self.calls:  # the fingerprint was of the weights they were made with
-            self._fingerprint, self._checked = None, True
 
     def release(self) -> None:
         """Free every kept call."""
@@ -241,7 +227,10 @@ class KeptCalls:
         return peak
 
 
-_ORDER = [kind for kind, _ in DIFFERENCES]
+# A kept call in the call's state whose weights' values differ (written without a version change)
+WRITTEN = "written"
+# The kinds of difference, nearest last: a kept call in the same state whose weights were written is the nearest
+_ORDER = [*(kind for kind, _ in DIFFERENCES), WRITTEN]
 
 
 def _in_order(kept_rows, previous, following) -> list:

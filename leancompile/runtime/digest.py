@@ -1,0 +1,110 @@
+"""An exact digest of the values of a module's weights, one integer per tensor, taken per kept call and per answer.
+
+Version counters see every write autograd knows of, but not one through ``.data`` (Flow-Factory's reference and EMA
+swaps, diffusers' ``EMAModel.copy_to``), a ``set_`` or a write into an alias: only the values themselves show those.
+
+A tensor's bytes are read as 32-bit words, laid in rows of :data:`ROW` words (each tensor padded to whole rows, so
+that a row belongs to one tensor). Each row's digest is the sum of its words times random odd 64-bit weights; the
+tensor's, the sum of its rows' digests times random odd weights of the rows' places; all modulo 2**64 (integer
+arithmetic wraps: exact, and independent of the reduction's order). A change of one word by ``d`` (``0 < |d| <
+2**32``) moves its row's digest by ``d * w``, never 0 modulo 2**64 for an odd ``w``, and the row's change moves the
+tensor's by a nonzero multiple of an odd weight: a single changed word is always seen. Several changes (a
+permutation, a sign flip, new values) cancel only where the random weights satisfy an equation: a change of the
+words' top bits ``2**31 * s_k`` only where ``sum(s_k w_k)`` is 0 modulo 2**33, at odds near 2**-33. A per-tensor norm
+would miss the permutation and the sign flip.
+
+Cost: the weights' bytes copied once into rows (in buckets of :data:`BUCKET` bytes), widened to 64 bits and read once
+by the product (an integer matrix-vector product on the CPU; on CUDA, which has none, the products are written and
+read once more): about 2 + 16 bytes a 32-bit word of traffic besides the weights' own bytes.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+ROW = 256  # 32-bit words a row
+BUCKET = 1 << 28  # bytes copied into rows at once at most (a larger tensor alone)
+
+
+class Unreadable(Exception):
+    """A tensor whose storage does not hold its values (a framework freed it, as FSDP resharding does)."""
+
+
+def digest(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """One int64 per tensor of ``tensors``, equal for two lists exactly when their values are (but for the odds
+    above). A sharded DTensor is read by its local shard; all tensors must share a device. Raises
+    :class:`Unreadable` for a tensor with no storage behind its values."""
+    flats = [_bytes(t) for t in tensors]
+    if not flats:
+        return torch.zeros(0, dtype=torch.int64)
+    device = flats[0].device
+    layout = _layout(tuple(f.numel() for f in flats), device)
+    sums = torch.cat([_row_sums(rows) for rows in _rows(flats, layout.pads, device)])
+    return torch.zeros(len(flats), dtype=torch.int64, device=device).index_add_(0, layout.owner,
+                                                                                sums.mul_(layout.places))
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s values as a flat tensor of bytes (a copy where ``t`` is not contiguous)."""
+    t = t.detach()
+    if hasattr(t, "to_local"):  # FSDP2's DTensor: each rank digests its own shard
+        t = t.to_local()
+    if t.numel() and t.untyped_storage().nbytes() < (t.storage_offset() + t.numel()) * t.element_size():
+        raise Unreadable(f"a tensor of shape {tuple(t.shape)} has no storage behind its values")
+    if t.dtype.is_complex:
+        t = torch.view_as_real(t)
+    return t.reshape(-1).view(torch.uint8) if t.dim() else t.reshape(1).view(torch.uint8)
+
+
+def _rows(flats: list[torch.Tensor], pads: tuple[int, ...], device: torch.device):
+    """The tensors' bytes, padded, as rows of 32-bit words, one bucket at a time."""
+    zeros = torch.zeros(4 * ROW, dtype=torch.uint8, device=device)
+    pieces, size = [], 0
+    for flat, pad in zip(flats, pads):
+        if pieces and size + flat.numel() + pad > BUCKET:
+            yield _joined(pieces)
+            pieces, size = [], 0
+        pieces += [flat, zeros[:pad]] if pad else [flat]
+        size += flat.numel() + pad
+    yield _joined(pieces)
+
+
+def _joined(pieces: list[torch.Tensor]) -> torch.Tensor:
+    # one piece is read in place where its bytes start on a word
+    whole = pieces[0] if len(pieces) == 1 and pieces[0].storage_offset() % 4 == 0 else torch.cat(pieces)
+    return whole.view(torch.int32).view(-1, ROW)
+
+
+def _row_sums(rows: torch.Tensor) -> torch.Tensor:
+    """Each row's words times the row weights, summed modulo 2**64."""
+    weights = _weights(ROW, rows.device, seed=0)
+    rows = rows.to(torch.int64)
+    if rows.device.type == "cpu":
+        return torch.mv(rows, weights)
+    return rows.mul_(weights).sum(dim=1)
+
+
+class _Layout:
+    """Per tensor: the bytes padding it to whole rows; per row: its tensor and its place's weight."""
+
+    def __init__(self, sizes: tuple[int, ...], device: torch.device):
+        row = 4 * ROW
+        counts = [max(-(-n // row), 1) for n in sizes]
+        self.pads = tuple(c * row - n for c, n in zip(counts, sizes))
+        self.owner = torch.repeat_interleave(torch.arange(len(sizes)), torch.tensor(counts)).to(device)
+        total = sum(counts)
+        self.places = _weights(1 << (total - 1).bit_length(), device, seed=1)[:total]
+
+
+@functools.lru_cache(maxsize=64)
+def _layout(sizes: tuple[int, ...], device: torch.device) -> _Layout:
+    return _Layout(sizes, device)
+
+
+@functools.lru_cache(maxsize=32)
+def _weights(n: int, device: torch.device, seed: int) -> torch.Tensor:
+    """``n`` random odd 64-bit integers, drawn on the CPU from a fixed seed (every device and process
+    agrees); the rows' places take a power of two of them, so that a few draws serve every layout."""
+    generator = torch.Generator().manual_seed(0x1EA5 + seed)
+    return (torch.randint(-(1 << 62), 1 << 62, (n,), generator=generator, dtype=torch.int64) * 2 + 1).to(device)

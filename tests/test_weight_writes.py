@@ -1,0 +1,245 @@
+"""Every answer is the current module's: writes that move no version counter (through ``.data``, ``set_``), swaps of
+a reference's or an EMA's weights in and out, optimizer steps and ``load_state_dict`` between a kept call and a later
+one are seen by the digest of the weights' values (:mod:`leancompile.runtime.digest`), each answer compared. A call
+made while other weights are in place recomputes and says why; calls after they are swapped back are served."""
+import copy
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import leancompile
+from leancompile import backbones
+from leancompile.runtime.digest import digest
+
+
+# ----------------------------------------------------------------------------------------------- the digest
+
+DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int64, torch.bool]
+
+
+@settings(max_examples=60)
+@given(dtype=st.sampled_from(DTYPES), shapes=st.lists(st.tuples(st.integers(1, 40), st.integers(1, 40)), min_size=1,
+                                                       max_size=4),
+       seed=st.integers(0, 2**16), change=st.sampled_from(["word", "sign", "permute", "swap two", "scale"]))
+def test_the_digest_sees_every_change_of_a_value(dtype, shapes, seed, change):
+    generator = torch.Generator().manual_seed(seed)
+    tensors = [(torch.randn(s, generator=generator) * 3).to(dtype) for s in shapes]
+    before = digest(tensors)
+    assert torch.equal(before, digest([t.clone() for t in tensors])), "the digest depends on the values only"
+    target = tensors[seed % len(tensors)]
+    flat = target.view(-1)
+    old = flat.clone()
+    if change == "word":
+        words = flat.view(torch.uint8)
+        words[seed % words.numel()] ^= 1 << (seed % 8) or 1
+    elif change == "sign":
+        flat.copy_(flat.logical_not() if dtype == torch.bool else -flat)
+    elif change == "permute":
+        flat.copy_(flat[torch.randperm(flat.numel(), generator=generator)])
+    elif change == "swap two" and flat.numel() > 1:
+        flat[[0, -1]] = flat[[-1, 0]]
+    elif change == "scale" and dtype != torch.bool:
+        flat.mul_(2)
+    after = digest(tensors)
+    if torch.equal(flat.view(torch.uint8), old.view(torch.uint8)):
+        assert torch.equal(after, before)  # the change left every byte as it was (a permutation of equal values)
+    else:
+        position = [t is target for t in tensors].index(True)
+        assert after[position] != before[position]
+        assert torch.equal(torch.cat([after[:position], after[position + 1:]]),
+                           torch.cat([before[:position], before[position + 1:]]))
+
+
+def test_the_digest_refuses_a_tensor_whose_storage_was_freed():
+    from leancompile.runtime.digest import Unreadable
+
+    t = torch.randn(4, 4)
+    t.untyped_storage().resize_(0)  # as FSDP frees an unsharded parameter when it reshards
+    with pytest.raises(Unreadable):
+        digest([t])
+
+
+# ------------------------------------------------------------------------------------- writes in a loop
+
+def _data_copy(p, values):
+    p.data.copy_(values)
+
+
+def _data_assign(p, values):
+    p.data = values.clone()
+
+
+def _set(p, values):
+    with torch.no_grad():
+        p.set_(values.clone())
+
+
+def _copy_no_grad(p, values):
+    with torch.no_grad():
+        p.copy_(values)
+
+
+WRITES = {"data.copy_": _data_copy, "data = t": _data_assign, "set_ under no_grad": _set,
+          "copy_ under no_grad": _copy_no_grad}
+
+
+def _model(family="sd3", seed=0):
+    base = backbones.tiny(family, seed=seed, dtype=torch.float64)
+    generator = torch.Generator().manual_seed(seed)
+    rows = 4
+    x = torch.randn((rows, *base.latent_shape), generator=generator, dtype=torch.float64)
+    sigma = torch.full((rows,), 0.7, dtype=torch.float64)
+    cond = base.dummy_conditioning(rows, generator, dtype=torch.float64)
+    return base, (x, sigma, cond)
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("write", WRITES)
+def test_a_call_after_a_write_that_moves_no_version_recomputes_and_names_it(write):
+    base, inputs = _model()
+    native = copy.deepcopy(base)
+    leancompile.wrap(base.model)
+    other = {n: p.detach() * 1.01 for n, p in base.model.named_parameters()}
+    for b in (base, native):
+        with torch.no_grad():
+            b(*inputs)
+        name = "transformer_blocks.0.attn.to_q.weight"
+        WRITES[write](dict(b.model.named_parameters())[name], other[name])
+        b(*inputs).square().sum().backward()
+    calls = base.model.last_calls
+    stats = base.model.stats()
+    assert stats["served_calls"] == 0 and stats["recomputed_calls"] == 1, stats
+    reason = calls[-1].reason
+    if "no_grad" in write:  # moves the version counter: the weights' versions differ
+        assert calls[-1].kind == "weights" and "written since the kept call" in reason
+    else:
+        assert calls[-1].kind == "written" and "transformer_blocks.0.attn.to_q.weight" in reason, reason
+    for p, q in zip(base.model.parameters(), native.model.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-10, atol=0)
+
+
+def _swap(model, values: list) -> list:
+    """Swap ``values`` into the model's parameters through ``.data`` (as Flow-Factory swaps its reference and EMA
+    weights, and diffusers' ``EMAModel.copy_to``); returns what was there."""
+    saved = [p.data.clone() for p in model.parameters()]
+    for p, v in zip(model.parameters(), values):
+        p.data.copy_(v)
+    return saved
+
+
+def _flow_factory_like(family: str, wrapped: bool, per_block: bool = False, epochs: int = 2):
+    """Full fine-tuning with a KL reference swapped into the policy through ``.data`` inside the update phase, an
+    evaluation with EMA weights swapped in before each rollout, and two optimizer steps per rollout. Returns each
+    optimizer step's gradient, each KL value and the wrapped module's statistics."""
+    base, (x, sigma, cond) = _model(family)
+    model = base.model
+    torch.manual_seed(1)
+    reference = [p.detach() + 1e-3 * torch.randn_like(p) for p in model.parameters()]
+    ema = [p.detach().clone() for p in model.parameters()]
+    if wrapped:
+        leancompile.wrap(model, per_block=per_block)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
+    steps = [x * (1 - s) + s for s in (0.0, 0.25, 0.5, 0.75)]
+    applied, kls, stats = [], [], []
+    for _ in range(epochs):
+        saved = _swap(model, ema)  # evaluate with the EMA's weights
+        model.eval()
+        with torch.no_grad():
+            base(x, sigma, cond)
+        _swap(model, saved)
+        with torch.no_grad():  # the rollout
+            outputs = [base(latent, sigma, cond) for latent in steps]
+        model.train()
+        for half in (steps[:2], steps[2:]):
+            for latent in half:
+                velocity = base(latent, sigma, cond)
+                saved = _swap(model, reference)
+                with torch.no_grad():
+                    velocity_reference = base(latent, sigma, cond)
+                _swap(model, saved)
+                kl = (velocity - velocity_reference).square().mean()
+                kls.append(kl.item())
+                (velocity.mean() * 0.3 + kl).backward()
+            applied.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
+            optimizer.step()
+            optimizer.zero_grad()
+        with torch.no_grad():
+            for e, p in zip(ema, model.parameters()):
+                e.mul_(0.9).add_(p, alpha=0.1)
+        if wrapped:
+            stats.append(model.stats())
+    return applied, kls, stats, outputs
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("family, per_block", [("sd3", False), ("flux", True)])
+def test_reference_and_ema_swaps_through_data_are_never_answered_from_the_policy(family, per_block):
+    native_grads, native_kls, _, _ = _flow_factory_like(family, wrapped=False)
+    grads, kls, stats, _ = _flow_factory_like(family, wrapped=True, per_block=per_block)
+    assert all(k > 0 for k in native_kls)
+    assert kls == pytest.approx(native_kls, rel=1e-10, abs=0)
+    for g, n in zip(grads, native_grads):
+        assert float((g - n).norm() / n.norm()) <= 1e-10
+    for epoch in stats:
+        # the first optimizer step's update calls are served (the EMA's evaluation kept nothing that serves them)
+        expected = 2 * (len(_block_stacks(family)) if per_block else 1)
+        assert epoch["served_calls"] >= expected, epoch
+        assert set(epoch["recompute_reasons"]) == {"weights"}, epoch  # the calls after the first optimizer step
+
+
+def _block_stacks(family):
+    from leancompile.runtime.regional import transformer_blocks
+
+    return transformer_blocks(backbones.tiny(family, seed=0).model)
+
+
+def test_diffusers_ema_model_swaps_are_seen():
+    from diffusers.training_utils import EMAModel
+
+    base, inputs = _model()
+    native = copy.deepcopy(base)
+    leancompile.wrap(base.model)
+    for b in (base, native):
+        ema = EMAModel(b.model.parameters(), decay=0.5)
+        with torch.no_grad():
+            b(*inputs)
+            for p in b.model.parameters():
+                p.mul_(1.01)  # the policy moved on (an optimizer step)
+        ema.step(b.model.parameters())
+        with torch.no_grad():
+            b(*inputs)  # kept with the policy's weights
+        ema.store(b.model.parameters())
+        ema.copy_to(b.model.parameters())  # evaluate with the EMA's weights
+        with torch.no_grad():
+            evaluated = b(*inputs)
+        ema.restore(b.model.parameters())
+        b(*inputs).square().sum().backward()
+        b.evaluated = evaluated
+    torch.testing.assert_close(base.evaluated, native.evaluated, rtol=0, atol=0)
+    for p, q in zip(base.model.parameters(), native.model.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-10, atol=0)
+    assert base.model.stats()["served_calls"] == 1
+
+
+def test_load_state_dict_and_a_fused_optimizer_step_recompute():
+    base, inputs = _model()
+    native = copy.deepcopy(base)
+    leancompile.wrap(base.model)
+    state = {k: v * 1.01 for k, v in base.model.state_dict().items()}
+    for b in (base, native):
+        with torch.no_grad():
+            b(*inputs)
+        b.model.load_state_dict(state)
+        b(*inputs).sum().backward()
+        optimizer = torch.optim.Adam(b.model.parameters(), lr=1e-3, fused=True)
+        with torch.no_grad():
+            b(*inputs)
+        optimizer.step()
+        b.model.zero_grad()
+        b(*inputs).sum().backward()
+    stats = base.model.stats()
+    assert stats["served_calls"] == 0 and stats["recomputed_calls"] == 2, stats
+    for p, q in zip(base.model.parameters(), native.model.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-10, atol=0)
