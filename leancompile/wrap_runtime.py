@@ -13,7 +13,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from .backbones.families import family_of
-from .backbones.plain import fully_sharded
+from .backbones.plain import fully_sharded, named_weights
 from .passes.pipeline import PassHistory
 from .plan import AUTO, Action, Schedule, StepAction
 from .request import Request
@@ -54,8 +54,8 @@ class WrapRuntime:
     def _read_parameters(self, module: torch.nn.Module) -> None:
         """The module's parameters as they are now: which the engine reads, which the optimizer-step watch follows,
         and whether a submodule could serve calls this module's program cannot keep."""
-        self.registrations, self.parameters = REGISTRATIONS[0], [id(p) for p in module.parameters()]
-        self.trainable = [p for p in module.parameters() if p.requires_grad]
+        self.registrations, self.parameters = REGISTRATIONS[0], _identity(module)
+        self.trainable = [p for _, p in named_weights(module) if p.requires_grad]
         self.descendable = _largest_trainable_child(module) is not None
 
     def _build(self, module: torch.nn.Module) -> None:
@@ -124,7 +124,7 @@ class WrapRuntime:
         if self.registrations == REGISTRATIONS[0]:
             return
         self.registrations = REGISTRATIONS[0]
-        if [id(p) for p in module.parameters()] != self.parameters:
+        if _identity(module) != self.parameters:
             self.refusal = framework_refusal(module)
             if self.refusal is None:
                 self.engine.release()
@@ -236,6 +236,11 @@ def _native_seconds(module: torch.nn.Module, trainable: list, args: tuple, kwarg
     seconds = (min(forward_seconds(module, args, kwargs) for _ in range(2))
                + min(update_seconds(module, trainable, args, kwargs) for _ in range(2)))
     return seconds / max(_rows(args), 1)
+
+
+def _identity(module: torch.nn.Module) -> list[tuple[str, int]]:
+    """What the engine reads of the module's parameters: each one's name and identity (FSDP2's sharded ones)."""
+    return [(name, id(p)) for name, p in named_weights(module)]
 
 
 def _rows(args: tuple) -> int:

@@ -17,6 +17,28 @@ def fully_sharded(module: torch.nn.Module) -> bool:
     return fsdp is not None and isinstance(module, fsdp.FSDPModule)
 
 
+def named_weights(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """``module.named_parameters()``, each parameter FSDP2 manages given as its sharded DTensor whatever FSDP2 has
+    registered now: between a forward and its backward (and after a root's forward, which FSDP2 does not reshard) the
+    module holds the unsharded parameter, whose storage FSDP2 frees when it reshards."""
+    sharded = {}
+    for m in module.modules():
+        if fully_sharded(m):
+            for group in m._get_fsdp_state()._fsdp_param_groups:
+                for param in group.fsdp_params:
+                    sharded[id(param._module_info.module), param._module_info.param_name] = param.sharded_param
+    if not sharded:
+        return list(module.named_parameters())
+    named, seen = [], set()
+    for prefix, m in module.named_modules():
+        for name, p in m._parameters.items():
+            p = sharded.get((id(m), name), p)
+            if p is not None and id(p) not in seen:
+                seen.add(id(p))
+                named.append((f"{prefix}.{name}" if prefix else name, p))
+    return named
+
+
 def plain_copy(module: torch.nn.Module) -> torch.nn.Module:
     """A copy of ``module``'s tree as its own classes, sharing its current parameters and buffers, without FSDP2's
     forward hooks (which would re-register the weights on the module and defeat a functional call) and without a

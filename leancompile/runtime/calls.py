@@ -150,7 +150,8 @@ def bound(forward, args: tuple, kwargs: dict, skip_first: bool = False) -> tuple
 
 def named_forward(module: torch.nn.Module):
     """The forward whose signature names the call's arguments: a pass-through ``forward(*args, **kwargs)`` (peft's
-    ``PeftModel``, DDP) binds as the module it hands them to, so that ``x=None`` passed and omitted are one call."""
+    ``PeftModel``, DDP, torch's ``checkpoint_wrapper``, ``torch.compile``'s module) binds as the module it hands them
+    to, so that ``x=None`` passed and omitted, or an argument passed by position and by name, are one call."""
     seen = set()
     while id(module) not in seen:
         seen.add(id(module))
@@ -161,11 +162,16 @@ def named_forward(module: torch.nn.Module):
         if not {p.kind for p in signature.parameters.values()} <= {inspect.Parameter.VAR_POSITIONAL,
                                                                     inspect.Parameter.VAR_KEYWORD}:
             return forward
-        inner = module.get_base_model() if hasattr(module, "get_base_model") else getattr(module, "module", None)
-        if not isinstance(inner, torch.nn.Module):
+        inner = module.get_base_model() if hasattr(module, "get_base_model") else next(
+            (getattr(module, name) for name in _INNER if isinstance(getattr(module, name, None), torch.nn.Module)), None)
+        if inner is None:
             return forward
         module = inner
     return module.forward
+
+
+# Where a pass-through module holds the module it calls: DDP's, checkpoint_wrapper's, torch.compile's
+_INNER = ("module", "_checkpoint_wrapped_module", "_orig_mod")
 
 
 def _named(path, names: frozenset[str]) -> bool:

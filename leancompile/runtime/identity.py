@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch.utils import _pytree as pytree
 
+from ..backbones.plain import named_weights
 from .calls import Call
 from .digest import Unreadable, digest
 
@@ -99,7 +100,7 @@ class StateReader:
         # the interpreter's type cache has been evicted (it is, by a backbone call), several times the cost.
         self.flags = [m.__dict__ for m in self.modules]
         self.lora = [m for m in self.modules if hasattr(m, "lora_A")]
-        parameters, buffers = list(backbone.named_parameters()), list(backbone.named_buffers())
+        parameters, buffers = named_weights(backbone), list(backbone.named_buffers())
         self.parameter_names = [n for n, _ in parameters]
         self.parameters = [p for _, p in parameters]
         self.tensors = [*self.parameters, *(b for _, b in buffers)]

@@ -38,7 +38,7 @@ from torch.utils import _pytree as pytree
 from ..backbones.plain import fully_sharded, plain_copy
 from ..passes.pipeline import PassHistory
 from ..plan import StepAction
-from .calls import Call, bound, output_layout
+from .calls import Call, bound, named_forward, output_layout
 from .engine import HELD, ReuseEngine, StepLog, Verified, no_stats
 from .identity import StateReader, row_keys
 from .modes import ModeProof
@@ -82,7 +82,7 @@ class RegionalEngine:
                        for f in sorted({*fractions, 1.0})}
             self.engines.append(ReuseEngine(block, block_runtime(), rowwise, policy, native=native, log=self.log,
                                             shared=frozenset(shared), verified=self._verified))
-        self._routes = [_ByName(engine, type(block).forward) for block, engine in zip(self.blocks, self.engines)]
+        self._routes = [_ByName(engine, block) for block, engine in zip(self.blocks, self.engines)]
         # The kept backbone calls (inputs and state; the blocks keep the rest, and digest their own weights)
         self.reader = StateReader(backbone, others=[t for engine in self.engines for t in engine.reader.versioned])
         self.store = KeptCalls(self.reader)
@@ -404,13 +404,15 @@ class _ByName:
     row shows which arguments those are, shared from then on (a call of one row kept before that is classified
     otherwise, and so is never matched: it recomputes)."""
 
-    def __init__(self, engine: ReuseEngine, forward):
+    def __init__(self, engine: ReuseEngine, block: torch.nn.Module):
         self.engine = engine
-        self.forward = forward  # the block class's, unbound
+        # The forward that names the block's arguments (a checkpoint_wrapper's block binds as the block it wraps),
+        # read before any route is set on the block
+        self.forward = named_forward(block)
         self.learned = False
 
     def __call__(self, *args, **kwargs):
-        args, named = bound(self.forward, args, kwargs, skip_first=True)
+        args, named = bound(self.forward, args, kwargs)
         if not self.learned:
             self._learn_shared(named)
         return self.engine(*args, **named)
