@@ -177,3 +177,74 @@ def test_a_ddp_inside_the_wrapped_module_runs_natively_and_says_why(quick):
     stats = quick["nested"]
     assert stats["served_calls"] == 0 and stats["recomputed_calls"] == 1
     assert set(stats["recompute_reasons"]) == {"unsupported"}, stats
+
+
+def run_accelerated(model: str, where: str | None, seed: int) -> dict:
+    """``STEPS`` steps through accelerate (``prepare`` with ``DistributedDataParallelKwargs(find_unused_parameters=
+    True)``, two micro-batches per optimizer step under ``accelerator.accumulate``), the module wrapped ``where``
+    ("before" or "after" ``prepare``; None: native); the weights' change and the wrapped module's stats."""
+    from accelerate import Accelerator
+    from accelerate.utils import DistributedDataParallelKwargs
+
+    build, make_inputs = MODELS[model]
+    torch.manual_seed(0)
+    inner = build()
+    if where == "before":
+        inner = leancompile.wrap(inner)
+    optimizer = torch.optim.SGD(inner.parameters(), lr=0.1)
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=2,
+                              kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=True)])
+    module, optimizer = accelerator.prepare(inner, optimizer)
+    assert isinstance(module, DistributedDataParallel)
+    if where == "after":
+        module = leancompile.wrap(module)
+    wrapped, stats = {"after": module, "before": inner}.get(where), []
+    generator = torch.Generator().manual_seed(seed)  # each rank its own rows
+    weights = lambda: torch.cat([p.detach().flatten() for p in inner.parameters()])  # noqa: E731
+    start = weights()
+    for _ in range(STEPS):
+        inputs = make_inputs(generator)
+        with torch.no_grad():
+            module(**inputs)
+        for rows in (slice(0, ROWS // 2), slice(ROWS // 2, ROWS)):
+            with accelerator.accumulate(module):
+                accelerator.backward(_output(module(**_micro(inputs, rows))).square().mean())
+                if accelerator.sync_gradients and wrapped is not None:
+                    stats.append(wrapped.stats())
+                optimizer.step()
+                optimizer.zero_grad()
+    return dict(change=weights() - start, stats=stats)
+
+
+ACCELERATED = [("sequential", "after"), ("sequential", "before"), ("sd3", "after")]
+
+
+def _accelerate_worker(rank, port, out):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE="2")
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    torch.set_num_threads(1)
+    results = {(model, where): run_accelerated(model, where, seed=rank)
+               for model in dict.fromkeys(m for m, _ in ACCELERATED) for where in (None, "after", "before")
+               if where is None or (model, where) in ACCELERATED}
+    torch.save(results, os.path.join(out, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def accelerated(tmp_path_factory):
+    pytest.importorskip("accelerate")
+    return spawn_ranks(_accelerate_worker, 2, tmp_path_factory.mktemp("accelerated"))
+
+
+@pytest.mark.parametrize("model, where", ACCELERATED, ids=lambda v: v if v in MODELS else f"wrapped {v} prepare")
+def test_accelerate_with_find_unused_parameters_serves_and_trains_as_accelerate(accelerated, model, where):
+    """Two gloo ranks, each on its own rows: the gradients are averaged over the ranks as natively."""
+    for rank in accelerated:
+        native, wrapped = rank[(model, None)], rank[(model, where)]
+        assert native["change"].norm() > 0
+        assert float((wrapped["change"] - native["change"]).norm() / native["change"].norm()) <= 1e-10
+        assert len(wrapped["stats"]) == STEPS
+        for stats in wrapped["stats"]:
+            assert stats["served_calls"] == 2 and stats["recomputed_calls"] == 0, stats
+    assert torch.equal(accelerated[0][(model, where)]["change"], accelerated[1][(model, where)]["change"])
