@@ -71,8 +71,9 @@ def _train(module, ddp, optimizer, inputs, accumulate: bool, stats) -> None:
 
 
 def run(model: str, where: str | None, options: str, accumulate: bool = False, seed: int = 0) -> dict:
-    """``STEPS`` steps on DDP(``OPTIONS[options]``) around ``model``, wrapped ``where`` ("before" or "after" DDP; None:
-    native); the weights' change over them, the all-reduces DDP ran and the wrapped module's stats summed."""
+    """``STEPS`` steps on DDP(``OPTIONS[options]``) around ``model``, wrapped ``where`` ("before" or "after"
+    DDP; None: native); the weights' change over them, the all-reduces DDP ran and the wrapped module's stats at
+    each optimizer step."""
     build, make_inputs = MODELS[model]
     torch.manual_seed(0)
     inner = build()
@@ -114,7 +115,8 @@ def _nested() -> dict:
     """A module holding a DDP, wrapped: refused before its first call (tracing would run DDP's forward), so its
     update runs natively and says why."""
     torch.manual_seed(0)
-    module = leancompile.wrap(torch.nn.Sequential(DistributedDataParallel(_sequential(), find_unused_parameters=True)))
+    ddp = DistributedDataParallel(_sequential(), find_unused_parameters=True)
+    module = leancompile.wrap(torch.nn.Sequential(ddp))
     inputs = _sequential_inputs(torch.Generator().manual_seed(0))
     with torch.no_grad():
         module(**inputs)
