@@ -1,7 +1,7 @@
 """The runtime behind a wrapped module (:func:`leancompile.wrap`): the engine and its policy built from the
 wrapper's request, the checks that no framework took the module's parameters over, the descent to a submodule
-where the module's own program cannot keep its calls, auto's measurement against native, and the look back at each
-optimizer step (:mod:`leancompile.watch`)."""
+where the module's own program cannot keep its calls or where a wrapper (DDP) must run its own forward around
+them, auto's measurement against native, and the look back at each optimizer step (:mod:`leancompile.watch`)."""
 from __future__ import annotations
 
 import functools
@@ -21,7 +21,7 @@ from .runtime.auto import forward_seconds, program_seconds_per_row, slower, upda
 from .runtime.bitwise import BitwiseRetain
 from .runtime.calls import Call, bound, named_forward
 from .runtime.engine import CallRecord, ReuseEngine
-from .runtime.frameworks import framework_refusal
+from .runtime.frameworks import framework_refusal, passed_through
 from .runtime.policy import RolloutPolicy
 from .runtime.regional import RegionalEngine, transformer_blocks
 from .runtime.rowwise import RowwiseBackbone
@@ -50,6 +50,10 @@ class WrapRuntime:
         self.watched = True  # by the optimizer-step watch (a submodule serving after a descent: by its parent's)
         self.refusal = framework_refusal(module)
         self._build(module)
+        # DDP: its own forward runs around every call and the module it holds serves them (passed_through)
+        self.through = passed_through(module)
+        if self.through is not None:
+            self._descend(self.through)
 
     def _read_parameters(self, module: torch.nn.Module) -> None:
         """The module's parameters as they are now: which the engine reads, which the optimizer-step watch follows,
@@ -81,6 +85,8 @@ class WrapRuntime:
             if self.refusal is not None:
                 if torch.is_grad_enabled():
                     self._note("recomputed", args, self.refusal, "unsupported")
+                return self._natively(module, args, kwargs)
+            if self.through is not None:
                 return self._natively(module, args, kwargs)
             args, kwargs = bound(named_forward(module), args, kwargs)
             if self._descends(module, args, kwargs):
@@ -152,13 +158,18 @@ class WrapRuntime:
             child = (self.below or _largest_trainable_child(module)) if refusal is not None else None
             self.refused[signature] = child is not None
             if child is not None:
-                name, submodule = self.below = child
-                if RUNTIME not in submodule.__dict__:
-                    attach(submodule, self.request)
-                submodule.__dict__[RUNTIME].watched = False  # this runtime watches its calls with its own
+                self._descend(child)
+                name, submodule = child
                 self._note("descended", args, f"calls like this one cannot be kept ({refusal}): its submodule "
                            f"{name} ({type(submodule).__name__}) serves them", "descended")
         return self.refused[signature]
+
+    def _descend(self, child: tuple[str, torch.nn.Module]) -> None:
+        """Have the submodule ``child`` (name, module), wrapped alike, serve the calls this runtime runs natively."""
+        self.below, submodule = child, child[1]
+        if RUNTIME not in submodule.__dict__:
+            attach(submodule, self.request)
+        submodule.__dict__[RUNTIME].watched = False  # this runtime watches its calls with its own
 
     def stats(self) -> dict:
         stats = self.engine.take_stats()
