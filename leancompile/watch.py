@@ -37,6 +37,7 @@ FIXES = {
     "written": "weights were written through .data or another alias between the rollout and the update (a reference "
                "or EMA swapped in): a call made while they are swapped in recomputes; swap them back before the "
                "update's calls",
+    "freed": "the kept calls were freed before the update (see the reason)",
     "autocast": "the update runs under another autocast state than the rollout: use the same one in both",
     "module state": "adapters or requires_grad differ between the rollout and the update (a KL reference runs "
                     "natively by design)",

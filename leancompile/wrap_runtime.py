@@ -200,7 +200,7 @@ class WrapRuntime:
             self.policy.stop(f"auto: the per-row program took {program * 1e3:.3g} ms a row (kept forward and "
                              f"served backward), native {native * 1e3:.3g} ms a row (forward without grad, forward "
                              "and backward with grad): the module runs natively from now on")
-            self.engine.release()
+            self.engine.release(self.policy.stopped)
             self.notes.append(CallRecord("native", 0, self.policy.stopped, "auto"))
             warnings.warn(f"leancompile.wrap: {self.policy.stopped}", NothingServedWarning, stacklevel=5)
 

@@ -243,3 +243,46 @@ def test_load_state_dict_and_a_fused_optimizer_step_recompute():
     assert stats["served_calls"] == 0 and stats["recomputed_calls"] == 2, stats
     for p, q in zip(base.model.parameters(), native.model.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-10, atol=0)
+
+
+# ------------------------------------------------------------------------------------------- true reasons
+
+class TwoArguments(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(6, 6, dtype=torch.float64)
+
+    def forward(self, x, timestep):
+        return self.linear(x) * timestep.to(torch.float64)[:, None]
+
+
+def test_an_inputs_reason_names_the_argument_and_how_it_differs():
+    module = leancompile.wrap(TwoArguments())
+    x, t = torch.randn(3, 6, dtype=torch.float64), torch.full((3,), 0.5)
+    with torch.no_grad():
+        module(x, timestep=t.to(torch.bfloat16))
+    module(x, timestep=t).sum().backward()  # another dtype
+    module(x + 1, timestep=t.to(torch.bfloat16)).sum().backward()  # another value
+    first, second = [r for r in module.last_calls if r.action == "recomputed"]
+    assert "kwargs['timestep'] has dtype torch.float32, the kept call's torch.bfloat16" in first.reason, first
+    assert second.reason.endswith("the nearest kept row differs in kwargs['x']"), second
+
+
+def test_reweight_calls_after_a_second_optimizer_step_say_weights_and_are_not_warned(recwarn):
+    module = leancompile.wrap(TwoArguments(), schedule="reweight")
+    optimizer = torch.optim.SGD(module.parameters(), lr=0.1)
+    batches = [(torch.randn(2, 6, dtype=torch.float64), torch.full((2,), 0.5, dtype=torch.float64)) for _ in range(4)]
+    with torch.no_grad():
+        for x, t in batches:
+            module(x, t)
+    module.provisional(lambda a: a * sum(module(x, t).sum() for x, t in batches))
+    for half in (batches[:2], batches[2:]):
+        for x, t in half:
+            module(x, t).sum().backward()
+            with torch.no_grad():
+                module(x, 2 * t)  # a call without grad after the step (a KL reference's): not a new rollout's rows
+        optimizer.step()
+    recomputed = [r for r in module.last_calls if r.action == "recomputed"]
+    assert [r.kind for r in recomputed] == ["weights", "weights"], recomputed
+    assert all("freed" in r.reason and "written since the kept call" in r.reason for r in recomputed)
+    assert not [w for w in recwarn if issubclass(w.category, leancompile.NothingServedWarning)]

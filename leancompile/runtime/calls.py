@@ -92,6 +92,17 @@ class Call:
         return pytree.tree_unflatten(leaves, self.spec)
 
 
+def row_input_names(call: Call) -> list[str]:
+    """The path of each of the call's row inputs (``kwargs['timestep']``), in the order of ``row_inputs``."""
+    paths = [pytree.keystr(path) for path, _ in pytree.tree_flatten_with_path((call.args, call.kwargs))[0]]
+    return [_argument(path) for path, row in zip(paths, call.rows) if row]
+
+
+def _argument(path: str) -> str:
+    """``[0][0]`` as ``args[0]``, ``[1]['x']`` as ``kwargs['x']``."""
+    return ("args" if path.startswith("[0]") else "kwargs") + path[3:]
+
+
 def call_signature(forward, skip_first: bool = False) -> inspect.Signature | None:
     """The signature a call of ``forward`` binds to, without the module's own parameter where ``forward`` is a
     method (or ``skip_first``: an unbound function whose first parameter is the module); None where it has none."""

@@ -298,9 +298,9 @@ class ReuseEngine:
 
     # ----------------------------------------------------------------------------------------- lifetime
 
-    def release(self) -> None:
-        """Free every kept call now."""
-        self.store.release()
+    def release(self, why: str | None = None) -> None:
+        """Free every kept call now (``why``: what a later call that finds none is told)."""
+        self.store.release(why)
 
     def take_stats(self) -> dict:
         """What happened since the last time: calls served and recomputed and why, peak bytes held, check time."""

@@ -58,7 +58,7 @@ class CallState:
         """What differs between the two states, named: the argument, the parameters, the submodule."""
         kind = self.difference(other)
         if kind == "inputs":
-            return f"argument {_first_difference(self.signature, other.signature)} differs from the kept call's"
+            return f"argument {first_difference(self.signature, other.signature)}"
         if kind == "autocast":
             return f"autocast {other.autocast} differs from the kept call's {self.autocast}"
         if kind == "module state":
@@ -159,14 +159,20 @@ def _first(names: list[str], a: tuple, b: tuple) -> str:
     return next((name for name, x, y in zip(names, a, b) if x != y), "?")
 
 
-def _first_difference(kept: tuple, now: tuple) -> str:
-    """The first argument (by its path in the call) where two calls' signatures differ (see Call.signature)."""
+def first_difference(kept: tuple, now: tuple) -> str:
+    """The first argument (by its path in the call) where two calls' signatures differ (see Call.signature), and
+    how: its dtype, its shape, its device or its value (a constant)."""
     (kept_spec, kept_leaves), (spec, leaves) = kept, now
     if kept_spec != spec:
         names, kept_names = set(_paths(spec)), set(_paths(kept_spec))
-        return ", ".join(sorted(names ^ kept_names)) or "tree"
+        return (", ".join(sorted(names ^ kept_names)) or "tree") + " passed in one call and not in the other"
     i = next((i for i, (a, b) in enumerate(zip(kept_leaves, leaves)) if a != b), 0)
-    return f"{_paths(spec)[i]} ({leaves[i]!r}, kept {kept_leaves[i]!r})"
+    mine, theirs = leaves[i], kept_leaves[i]
+    if isinstance(mine, tuple) and isinstance(theirs, tuple) and len(mine) == len(theirs) == 4:
+        what = next(n for n, a, b in zip(("shape", "dtype", "device", "rows"), mine, theirs) if a != b)
+        index = ("shape", "dtype", "device", "rows").index(what)
+        return f"{_paths(spec)[i]} has {what} {mine[index]}, the kept call's {theirs[index]}"
+    return f"{_paths(spec)[i]} is {mine!r}, the kept call's {theirs!r}"
 
 
 def _paths(spec) -> list[str]:

@@ -274,9 +274,9 @@ class RegionalEngine:
     def held_bytes(self) -> int:
         return sum(engine.held_bytes for engine in self.engines)
 
-    def release(self) -> None:
-        """Free every kept call now."""
-        self.store.release()
+    def release(self, why: str | None = None) -> None:
+        """Free every kept call now (``why``: what a later call that finds none is told)."""
+        self.store.release(why)
         self._free_blocks()
 
     @contextlib.contextmanager

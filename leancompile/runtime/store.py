@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .calls import Call, OutputLayout
-from .identity import DIFFERENCES, TRAINING_FLAGS, CallState, StateReader, row_keys
+from .calls import Call, OutputLayout, row_input_names
+from .identity import DIFFERENCES, TRAINING_FLAGS, CallState, StateReader, first_difference, row_keys
 
 
 @dataclass
@@ -96,6 +96,8 @@ class KeptCalls:
         self.calls: list[KeptCall] = []
         self._index: dict[tuple, list[tuple[KeptCall, int]]] = {}
         self.stale: str | None = None  # why the kept calls were last freed, where the weights changed
+        self._freed_keys: dict[tuple, str] = {}  # the last freed calls' row digests, and why they were freed
+        self.freed: str | None = None  # why every kept call was freed otherwise (auto stopped, the engine failed)
         self.held_bytes = 0
         self.peak_bytes = 0
 
@@ -109,7 +111,7 @@ class KeptCalls:
         """Keep ``call``'s rows (``keys``: their digests, where the caller has them) in ``state``; ``held``: the
         kept call's other fields."""
         self.drop_stale(state)
-        self.stale = None
+        self.stale = self.freed = None
         kept = KeptCall(state, tuple(t.detach() for t in call.identity_rows),
                         tuple(t.detach() for t in call.whole_inputs), weights=self.reader.digest(), **held)
         self.calls.append(kept)
@@ -135,7 +137,7 @@ class KeptCalls:
             return Found(None, *self.empty())
         candidates = [self._index.get(key, ()) for key in keys]
         if not all(candidates):
-            return Found(None, f"row {candidates.index(())}: no kept call has these inputs", "inputs")
+            return Found(None, *self._unmatched(call, keys, candidates.index(())))
         state = state if state is not None else self.reader.read(call)
         if self.drop_stale(state):  # made with other weights: never matched again
             return Found(None, *self.empty())
@@ -195,7 +197,32 @@ class KeptCalls:
         """Why nothing matches while nothing is kept (reason, kind)."""
         if self.stale is not None:  # freed because the weights changed: that is the reason
             return f"the kept calls were freed: {self.stale}", "weights"
+        if self.freed is not None:
+            return f"the kept calls were freed: {self.freed}", "freed"
         return "nothing kept", "nothing kept"
+
+    def _unmatched(self, call: Call, keys: list, row: int) -> tuple[str, str]:
+        """Why row ``row`` of ``call`` has no kept row (reason, kind): its rows were kept and freed, an argument's
+        dtype or shape differs from every kept call's, or the argument whose values differ from the nearest kept
+        row's. Only worked out for a call with grad (a recompute; a rollout's new call is kept, and says nothing)."""
+        if keys[row] in self._freed_keys:
+            return f"row {row} was kept, and freed: {self._freed_keys[keys[row]]}", "weights"
+        if not torch.is_grad_enabled():
+            return f"row {row}: no kept call has these inputs", "inputs"
+        if call.verified_rows is not None:  # a block's call: identified by its backbone call's rows
+            return f"row {row}: no kept call has these inputs", "inputs"
+        signature = call.signature()
+        alike = [k for k in self.calls if k.state.signature == signature]
+        if not alike:
+            return (f"row {row}: no kept call has these inputs: argument "
+                    f"{first_difference(self.calls[-1].state.signature, signature)}"), "inputs"
+        names = row_input_names(call)
+        mine = [t[row] for t in call.identity_rows]
+        best = min(((k, r) for k in alike for r in range(k.inputs[0].shape[0])),
+                   key=lambda kr: sum(not torch.equal(a, b[kr[1]]) for a, b in zip(mine, kr[0].inputs)))
+        differing = [n for n, a, b in zip(names, mine, best[0].inputs) if not torch.equal(a, b[best[1]])]
+        return (f"row {row}: no kept call has these inputs; the nearest kept row differs in "
+                f"{', '.join(differing)}"), "inputs"
 
     # ------------------------------------------------------------------------------------------- freeing
 
@@ -206,6 +233,9 @@ class KeptCalls:
             return False
         stale = [k for k in self.calls if k.state.versions != state.versions]
         self.stale = stale[0].state.explain(state, self.reader)
+        # their rows' digests, so that a later call with these rows says why (not "no kept call has these inputs")
+        self._freed_keys = {key: self.stale for key, rows in self._index.items()
+                            if any(k.state.versions != state.versions for k, _ in rows)}
         self.forget(stale)
         return True
 
@@ -217,9 +247,10 @@ class KeptCalls:
                        if (kept_rows := [(k, r) for k, r in rows if id(k) not in dropped])}
         self.held_bytes = sum(k.nbytes for k in self.calls)
 
-    def release(self) -> None:
-        """Free every kept call."""
+    def release(self, why: str | None = None) -> None:
+        """Free every kept call (``why``: the reason a later call is given, where not that nothing was kept)."""
         self.forget(self.calls)
+        self.freed = why
 
     def take_peak(self) -> int:
         """The most bytes held since the last time."""
