@@ -7,18 +7,19 @@ submodule's class and instance ``__dict__`` (its parameters, buffers, submodules
 identity, one level deep, and :meth:`Snapshot.restore` puts those very objects back."""
 from __future__ import annotations
 
+import collections
 import contextlib
 
 import torch
 
 
 class Snapshot:
-    """Every submodule of ``module``: its class, its ``__dict__`` entries and the contents of those that are dicts,
-    lists or sets (``_parameters``, ``_buffers``, ``_modules``, the hook dicts)."""
+    """Every submodule of ``module``: its class, its ``__dict__`` entries and the contents of those that are plain
+    dicts, lists or sets (``_parameters``, ``_buffers``, ``_modules``, the hook dicts)."""
 
     def __init__(self, module: torch.nn.Module):
         self.modules = [(m, type(m), dict(m.__dict__), {k: _copied(v) for k, v in m.__dict__.items()
-                                                         if isinstance(v, (dict, list, set))})
+                                                         if type(v) in _CONTAINERS})
                         for m in module.modules()]
 
     def restore(self) -> None:
@@ -29,6 +30,10 @@ class Snapshot:
                 module.__class__ = cls
             module.__dict__.clear()
             module.__dict__.update(attributes)
+
+
+# Plain containers only: a subclass may refuse to be written (diffusers' FrozenDict config)
+_CONTAINERS = (dict, collections.OrderedDict, list, set)
 
 
 def _copied(container) -> list:
