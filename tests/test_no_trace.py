@@ -2,7 +2,6 @@
 compile, a keep, a served forward or backward), the module is as it was (its parameters, buffers, submodules, hooks
 and attributes), the loop's call runs natively, a warning names the failure, and every later call, with grad or
 without, is an unwrapped copy's bit for bit. And a wrapped loop prints no warning of torch's."""
-import contextlib
 import copy
 import warnings
 
@@ -56,11 +55,10 @@ def _breaking(module, stage: str):
     return broken
 
 
-def _stages(module) -> dict:
-    """Where each stage's work happens: (owner, attribute) to break."""
-    return {"trace": (rowwise, "keeping_whole"), "partition": (rowwise, "random_operators"),
-            "compile": (rowwise.RowwiseBackbone, "_traced"), "keep": (retain.Retain, "keep"),
-            "served forward": (engine._Served, "forward"), "served backward": (retain.Retain, "gradients")}
+# Where each stage's work happens: (owner, attribute) to break; _Served.forward is a static method
+STAGES = {"trace": (rowwise, "keeping_whole"), "partition": (rowwise, "random_operators"),
+          "compile": (rowwise.RowwiseBackbone, "_traced"), "keep": (retain.Retain, "keep"),
+          "served forward": (engine._Served, "forward"), "served backward": (retain.Retain, "gradients")}
 
 
 @pytest.mark.parametrize("stage", ["trace", "partition", "compile", "keep",
@@ -70,10 +68,9 @@ def test_a_failure_at_any_stage_leaves_the_module_as_it_was_and_runs_it_natively
     native = copy.deepcopy(module)
     wrapped = leancompile.wrap(module)
     before = _members(module)
-    owner, name = _stages(module)[stage]
+    owner, name = STAGES[stage]
     broken = _breaking(module, stage)
-    monkeypatch.setattr(owner, name, staticmethod(broken) if isinstance(owner, type) and name == "forward"
-                        else broken)
+    monkeypatch.setattr(owner, name, staticmethod(broken) if owner is engine._Served else broken)
     with pytest.warns(leancompile.NothingServedWarning, match=f"injected at {stage}"):
         out, grads = _loop(wrapped, inputs)
     assert _members(module) == before
