@@ -25,6 +25,7 @@ from .runtime.frameworks import framework_refusal, passed_through
 from .runtime.policy import RolloutPolicy
 from .runtime.regional import RegionalEngine, transformer_blocks
 from .runtime.rowwise import RowwiseBackbone
+from .runtime.snapshot import Snapshot
 from .schedules import SCHEDULES
 from .watch import FIXES, REGISTRATIONS, NothingServedError, NothingServedWarning, watch
 from .wrapped import RUNTIME, wrapped_class
@@ -58,13 +59,15 @@ class WrapRuntime:
     def _read_parameters(self, module: torch.nn.Module) -> None:
         """The module's parameters as they are now: which the engine reads, which the optimizer-step watch follows,
         and whether a submodule could serve calls this module's program cannot keep."""
-        self.registrations, self.parameters = REGISTRATIONS[0], _identity(module)
+        self.registrations, self.structure = REGISTRATIONS[0], structure(module)
         self.trainable = [p for _, p in named_weights(module) if p.requires_grad]
         self.descendable = _largest_trainable_child(module) is not None
 
     def _build(self, module: torch.nn.Module) -> None:
         self._read_parameters(module)
         self.engine, self.policy = build_engine(module, self.request)
+        for engine in getattr(self.engine, "engines", (self.engine,)):  # a served backward that raises
+            engine.failed = functools.partial(self.failed, stacklevel=2)
         # auto: native's time per row for a kept call without grad and again with grad and its backward, measured
         # at the first kept call and compared with the program's own once calls were served (nan: not measured;
         # the whole-call engine only)
@@ -80,6 +83,7 @@ class WrapRuntime:
         if _INSIDE[0]:
             return torch.nn.Module.__call__(module, *args, **kwargs)
         _INSIDE[0] += 1
+        snapshot = Snapshot(module)
         try:
             self._look_again(module)
             if self.refusal is not None:
@@ -98,17 +102,30 @@ class WrapRuntime:
             finally:
                 made = log.records[seen:]
                 self.window.extend(made)
+                self._warn_failed_compiles(made)
                 if self.native_seconds is None and any(r.action == "kept" for r in made):
                     self.native_seconds = _native_seconds(module, self.trainable, args, kwargs)
         except Exception as error:  # never break a loop that runs natively: run it so, and say why
             if self.refusal is not None or _INSIDE[0] > 1:
                 raise
-            self.refusal = f"the engine failed ({type(error).__name__}: {error}); the module runs natively"
-            self.engine.release()
-            warnings.warn(f"leancompile.wrap: {self.refusal}", NothingServedWarning, stacklevel=3)
+            snapshot.restore()  # the module as the call found it, whatever stage raised
+            self.failed(error, stacklevel=4)
             return self._natively(module, args, kwargs)
         finally:
             _INSIDE[0] -= 1
+
+    def failed(self, error: Exception, stacklevel: int) -> None:
+        """The engine raised: free what it keeps and run the module natively from now on, saying why."""
+        self.refusal = f"the engine failed ({type(error).__name__}: {error}); the module runs natively"
+        self.engine.release()
+        warnings.warn(f"leancompile.wrap: {self.refusal}", NothingServedWarning, stacklevel=stacklevel)
+
+    def _warn_failed_compiles(self, records: list[CallRecord]) -> None:
+        """Say once per error where the per-row program raised while compiling: those calls run natively."""
+        for reason in {r.reason for r in records if r.kind == "compile failed"} - self.warned:
+            self.warned.add(reason)
+            warnings.warn(f"leancompile.wrap: a call was not kept, its program failed: {reason}; it runs natively",
+                          NothingServedWarning, stacklevel=4)
 
     @staticmethod
     def _natively(module: torch.nn.Module, args: tuple, kwargs: dict):
@@ -125,12 +142,14 @@ class WrapRuntime:
         self.window.append(record)
 
     def _look_again(self, module: torch.nn.Module) -> None:
-        """Where a module anywhere registered tensors since the last call: whether this module's parameters are
-        still the ones the engine reads (else it is built anew, and a framework that flattens them is refused)."""
+        """Where a module anywhere registered tensors or submodules since the last call: whether this module is
+        still the one the engine was built on, its tensors under the same names (else it is built anew, and a
+        framework that flattens them is refused). A block put under a checkpoint wrapper keeps its parameters but
+        not their names, which the per-row program reads them by."""
         if self.registrations == REGISTRATIONS[0]:
             return
         self.registrations = REGISTRATIONS[0]
-        if _identity(module) != self.parameters:
+        if structure(module) != self.structure:
             self.refusal = framework_refusal(module)
             if self.refusal is None:
                 self.engine.release()
@@ -249,14 +268,17 @@ def _native_seconds(module: torch.nn.Module, trainable: list, args: tuple, kwarg
     return seconds / max(_rows(args), 1)
 
 
-def _identity(module: torch.nn.Module) -> list[tuple[str, int]]:
-    """What the engine reads of the module's parameters: each one's name and identity (FSDP2's sharded ones)."""
-    return [(name, id(p)) for name, p in named_weights(module)]
-
-
 def _rows(args: tuple) -> int:
     tensors = [leaf for leaf in pytree.tree_leaves(args) if isinstance(leaf, torch.Tensor) and leaf.dim()]
     return tensors[0].shape[0] if tensors else 0
+
+
+def structure(module: torch.nn.Module) -> tuple:
+    """What the engine was built on: every submodule, parameter (FSDP2's sharded one, whatever FSDP2 has registered
+    now) and buffer, by name and identity."""
+    return tuple((kind, name, id(value)) for kind, members in (
+        ("module", module.named_modules(remove_duplicate=False)), ("parameter", named_weights(module)),
+        ("buffer", module.named_buffers(remove_duplicate=False))) for name, value in members)
 
 
 def _largest_trainable_child(module: torch.nn.Module) -> tuple[str, torch.nn.Module] | None:

@@ -18,7 +18,10 @@ class Wrapped(torch.nn.Module):
     module stays itself (``isinstance``, ``state_dict()`` keys, ``save_pretrained``, peft's methods, a ``forward``
     assigned on it), and every call of it goes through the reuse engine."""
 
+    @torch.compiler.disable(recursive=True)
     def __call__(self, *args, **kwargs):
+        """Run by the engine, never traced by dynamo: ``torch.compile(module)`` wrapped before or after calls the
+        module through here, and its calls are kept and served as the module's own (their native runs eager)."""
         return self.__dict__[RUNTIME](self, args, kwargs)
 
     def provisional(self, head: Callable[[float], torch.Tensor]) -> None:

@@ -17,6 +17,7 @@ Inserted and reused nodes carry ``node.meta[REWRITE]`` and self-explaining names
 from __future__ import annotations
 
 import copy
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -38,7 +39,11 @@ class RewrittenPrograms:
 
 
 def _copy(gm: fx.GraphModule) -> fx.GraphModule:
-    return fx.GraphModule(gm, copy.deepcopy(gm.graph))
+    """A copy of ``gm``'s graph. Copying a traced graph's pytree specs makes torch warn that ``LeafSpec`` is
+    deprecated (its own spec, not the caller's code): not the user's to see."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", r"`isinstance\(treespec, LeafSpec\)` is deprecated", FutureWarning)
+        return fx.GraphModule(gm, copy.deepcopy(gm.graph))
 
 
 def rewrite_for_retain(rollout: fx.GraphModule, update: fx.GraphModule, pair: tuple[int, int]) -> RewrittenPrograms:

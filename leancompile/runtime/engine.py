@@ -30,6 +30,7 @@ from .identity import StateReader, row_keys
 from .policy import KeepPolicy, StepPolicy
 from .rowwise import RowwiseBackbone
 from .schedule_runtime import ScheduleRuntime
+from .snapshot import restored_on_failure
 from .store import Found, KeptCall, KeptCalls, Match
 
 
@@ -110,6 +111,8 @@ class ReuseEngine:
         self._answered: set = set()
         self._same: dict[tuple, bool] = {}  # (kept program key, call's key) -> whether both are the same graphs
         self.check_seconds = 0.0  # spent reading states, digesting rows, looking up and verifying this step
+        # Told (with the error) where a served call's backward raises, which then recomputes natively; None: it raises
+        self.failed = None
 
     @property
     def kept(self) -> list[KeptCall]:
@@ -218,7 +221,8 @@ class ReuseEngine:
         program = rowwise.program(key, call)
         refusal = program.refusal or self.schedule_runtime.refusal(self, key, call)
         if refusal is not None:
-            self.log.records.append(CallRecord("not kept", call.batch, refusal, "not keepable"))
+            kind = "compile failed" if program.failed else "not keepable"
+            self.log.records.append(CallRecord("not kept", call.batch, refusal, kind))
             return self.native(*call.args, **call.kwargs)
         began = self._clock(call.device)
         output, saved = self.schedule_runtime.forward(self, rowwise, key, call)
@@ -332,11 +336,18 @@ class _Served(torch.autograd.Function):
     def backward(ctx, cotangent):
         engine, match = ctx.engine, ctx.match
         began = engine._clock(cotangent.device)
-        grads = engine.schedule_runtime.gradients(engine, match, cotangent, ctx.inputs, ctx.context)
+        reason, kind = "its cotangent is not in the span of those the rollout backpropagated", "cotangent"
+        try:
+            with restored_on_failure(engine.backbone):
+                grads = engine.schedule_runtime.gradients(engine, match, cotangent, ctx.inputs, ctx.context)
+        except Exception as error:
+            if engine.failed is None:
+                raise
+            engine.failed(error)
+            grads, reason, kind = None, f"its backward failed ({type(error).__name__}: {error})", "unsupported"
         ctx.record.seconds = engine._clock(cotangent.device) - began
         if grads is None:
-            ctx.record.action, ctx.record.kind = "recomputed", "cotangent"
-            ctx.record.reason = "its cotangent is not in the span of those the rollout backpropagated"
+            ctx.record.action, ctx.record.kind, ctx.record.reason = "recomputed", kind, reason
             grads = _native_gradients(engine, ctx.call, match, cotangent, ctx.inputs)
         return (None, None, None, None, None, None, *grads)
 

@@ -32,6 +32,7 @@ from ..passes.eager_bits import EAGER_DECOMPOSITIONS, keeping_whole
 from ..passes.graph import reading_data
 from ..passes.rowwise import random_operators
 from .calls import Call, OutputLayout, output_layout
+from .snapshot import restored_on_failure
 
 
 _TRACES: OrderedDict = OrderedDict()  # (program digest, batch, ...) -> traced graph, across backbones
@@ -53,6 +54,11 @@ class RowProgram:
     # (weights...) -> the saved tensors computed from the weights alone: recomputed for each backward, so that a
     # kept call holds activations only (under FSDP2 a gathered weight's storage is freed after its block)
     weight_saved: torch.fx.GraphModule | None = None
+    failed: bool = False  # the refusal is an error raised while compiling, not what the call returns
+
+
+class NotRowLaid(ValueError):
+    """The module's output has no one row-laid tensor: its calls are not kept, by design."""
 
 
 class RowwiseBackbone:
@@ -104,10 +110,12 @@ class RowwiseBackbone:
         """The batch-1 partition for the row signature ``key`` (compiled from the call's first row on first use)."""
         if key not in self._programs:
             try:
-                self._programs[key] = self._partition(call)
+                with restored_on_failure(*{id(m): m for m in (self.backbone, self.traced)}.values()):
+                    self._programs[key] = self._partition(call)
             except Exception as error:  # what cannot be compiled at one row runs natively, and says why
                 self._programs[key] = RowProgram(None, None, (), (), None, "",
-                                                 f"one row does not compile ({type(error).__name__}: {error})")
+                                                 f"one row does not compile ({type(error).__name__}: {error})",
+                                                 failed=not isinstance(error, NotRowLaid))
         return self._programs[key]
 
     def _partition(self, call: Call) -> RowProgram:
@@ -125,7 +133,7 @@ class RowwiseBackbone:
                 result = torch.func.functional_call(traced, (params, buffers), args, kwargs)
             tensor, layout, refusal = output_layout(result)
             if refusal is not None:
-                raise ValueError(refusal)
+                raise NotRowLaid(refusal)
             outputs.append(layout)
             return tensor
 
