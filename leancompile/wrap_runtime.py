@@ -25,7 +25,6 @@ from .runtime.frameworks import framework_refusal, passed_through
 from .runtime.policy import RolloutPolicy
 from .runtime.regional import RegionalEngine, transformer_blocks
 from .runtime.rowwise import RowwiseBackbone
-from .runtime.snapshot import Snapshot
 from .schedules import SCHEDULES
 from .watch import FIXES, REGISTRATIONS, NothingServedError, NothingServedWarning, watch
 from .wrapped import RUNTIME, wrapped_class
@@ -83,7 +82,6 @@ class WrapRuntime:
         if _INSIDE[0]:
             return torch.nn.Module.__call__(module, *args, **kwargs)
         _INSIDE[0] += 1
-        snapshot = Snapshot(module)
         try:
             self._look_again(module)
             if self.refusal is not None:
@@ -108,7 +106,8 @@ class WrapRuntime:
         except Exception as error:  # never break a loop that runs natively: run it so, and say why
             if self.refusal is not None or _INSIDE[0] > 1:
                 raise
-            snapshot.restore()  # the module as the call found it, whatever stage raised
+            # The stages that swap the module's tensors (trace, partition, compile) put them back where they raise
+            # (runtime.snapshot); the others write nothing to the module
             self.failed(error, stacklevel=4)
             return self._natively(module, args, kwargs)
         finally:

@@ -45,19 +45,26 @@ def _members(module) -> list:
 
 
 def _breaking(module, stage: str):
-    """A stand-in for a stage's function that changes the module as a half-done trace would, then raises."""
+    """A stand-in for a stage's function that raises; at the stages that swap the module's tensors (the trace, its
+    partition, the compile: functional calls over fake or functional weights) it first changes the module as a
+    half-done trace would. The later stages run the compiled program on the weights as inputs and write nothing to
+    the module (a per-call snapshot of a model of a thousand submodules would cost a forward's time)."""
     def broken(*_, **__):
-        module.rope.register_buffer("freqs_cos", torch.zeros(1))
-        module.injected = True
-        module.blocks[0].register_forward_hook(lambda *_: None)
-        module.blocks[1] = torch.nn.Identity()
+        if stage in MUTATING:
+            module.rope.register_buffer("freqs_cos", torch.zeros(1))
+            module.injected = True
+            module.blocks[0].register_forward_hook(lambda *_: None)
+            module.blocks[1] = torch.nn.Identity()
         raise RuntimeError(f"injected at {stage}")
     return broken
 
 
+MUTATING = ("trace", "partition", "compile")
+
+
 # Where each stage's work happens: (owner, attribute) to break; _Served.forward is a static method
 STAGES = {"trace": (rowwise, "keeping_whole"), "partition": (rowwise, "random_operators"),
-          "compile": (rowwise.RowwiseBackbone, "_traced"), "keep": (retain.Retain, "keep"),
+          "compile": (rowwise, "make_fx"), "keep": (retain.Retain, "keep"),
           "served forward": (engine._Served, "forward"), "served backward": (retain.Retain, "gradients")}
 
 

@@ -13,9 +13,11 @@ permutation, a sign flip, new values) cancel only where the random weights satis
 words' top bits ``2**31 * s_k`` only where ``sum(s_k w_k)`` is 0 modulo 2**33, at odds near 2**-33. A per-tensor norm
 would miss the permutation and the sign flip.
 
-Cost: the weights' bytes copied once into rows (in buckets of :data:`BUCKET` bytes), widened to 64 bits and read once
-by the product (an integer matrix-vector product on the CPU; on CUDA, which has none, the products are written and
-read once more): about 2 + 16 bytes a 32-bit word of traffic besides the weights' own bytes.
+Cost: the small tensors' bytes copied into rows (in buckets of :data:`BUCKET` bytes; a tensor of whole rows from
+:data:`IN_PLACE` bytes is read where it lies), widened to 64-bit words (read 4, written 8 bytes a word) and read by
+the product (an integer matrix-vector product on the CPU, 8 bytes a word; on CUDA, which has none, the products
+are written and read once more, 24): about 20 bytes of traffic a 32-bit word on the CPU and 36 on CUDA, 5 and 9
+times the weights' bytes (``benchmarks.weight_check`` measures it).
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ import torch
 
 ROW = 256  # 32-bit words a row
 BUCKET = 1 << 28  # bytes copied into rows at once at most (a larger tensor alone)
+IN_PLACE = 1 << 16  # bytes from which a tensor of whole rows is read where it lies
 
 
 class Unreadable(Exception):
@@ -62,12 +65,17 @@ def _rows(flats: list[torch.Tensor], pads: tuple[int, ...], device: torch.device
     zeros = torch.zeros(4 * ROW, dtype=torch.uint8, device=device)
     pieces, size = [], 0
     for flat, pad in zip(flats, pads):
-        if pieces and size + flat.numel() + pad > BUCKET:
+        whole = not pad and flat.numel() >= IN_PLACE and flat.storage_offset() % 4 == 0
+        if pieces and (whole or size + flat.numel() + pad > BUCKET):
             yield _joined(pieces)
             pieces, size = [], 0
+        if whole:  # read where it lies, not copied
+            yield _joined([flat])
+            continue
         pieces += [flat, zeros[:pad]] if pad else [flat]
         size += flat.numel() + pad
-    yield _joined(pieces)
+    if pieces:
+        yield _joined(pieces)
 
 
 def _joined(pieces: list[torch.Tensor]) -> torch.Tensor:

@@ -30,7 +30,6 @@ from .identity import StateReader, row_keys
 from .policy import KeepPolicy, StepPolicy
 from .rowwise import RowwiseBackbone
 from .schedule_runtime import ScheduleRuntime
-from .snapshot import restored_on_failure
 from .store import Found, KeptCall, KeptCalls, Match
 
 
@@ -338,8 +337,7 @@ class _Served(torch.autograd.Function):
         began = engine._clock(cotangent.device)
         reason, kind = "its cotangent is not in the span of those the rollout backpropagated", "cotangent"
         try:
-            with restored_on_failure(engine.backbone):
-                grads = engine.schedule_runtime.gradients(engine, match, cotangent, ctx.inputs, ctx.context)
+            grads = engine.schedule_runtime.gradients(engine, match, cotangent, ctx.inputs, ctx.context)
         except Exception as error:
             if engine.failed is None:
                 raise

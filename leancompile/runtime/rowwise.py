@@ -110,13 +110,17 @@ class RowwiseBackbone:
         """The batch-1 partition for the row signature ``key`` (compiled from the call's first row on first use)."""
         if key not in self._programs:
             try:
-                with restored_on_failure(*{id(m): m for m in (self.backbone, self.traced)}.values()):
+                with restored_on_failure(*self._modules()):
                     self._programs[key] = self._partition(call)
             except Exception as error:  # what cannot be compiled at one row runs natively, and says why
                 self._programs[key] = RowProgram(None, None, (), (), None, "",
                                                  f"one row does not compile ({type(error).__name__}: {error})",
                                                  failed=not isinstance(error, NotRowLaid))
         return self._programs[key]
+
+    def _modules(self) -> list[torch.nn.Module]:
+        """The module and the copy it is traced through (one where it has none)."""
+        return list({id(m): m for m in (self.backbone, self.traced)}.values())
 
     def _partition(self, call: Call) -> RowProgram:
         # AOTAutograd imports torch._dynamo (most of a second): on the first compile, not with leancompile.
@@ -191,7 +195,9 @@ class RowwiseBackbone:
                 # A forward is traced without grad, as the rollout's calls it answers run: eager picks some kernels
                 # by whether a tensor requires grad (a weight cast by autocast requires it only with grad).
                 grad = torch.no_grad() if forward else contextlib.nullcontext()
-                with torch.autocast(device.type, enabled=False), _quiet_vmap_fallback(), grad:
+                # once per shape, like the partition: whatever raises puts the module back (runtime.snapshot)
+                with torch.autocast(device.type, enabled=False), _quiet_vmap_fallback(), grad, \
+                        restored_on_failure(*self._modules()):
                     gm = make_fx(fn, EAGER_DECOMPOSITIONS, tracing_mode="fake")(*args)
                 name = (f"{'forward' if forward else 'backward'} over {key[1]} rows"
                         + (", gradients per row" if not forward and key[2] else ""))
