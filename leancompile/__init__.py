@@ -6,7 +6,7 @@ scikit-learn and matplotlib are imported by the features that use them (a diffus
 from .api import optimize
 from .runtime import optimizer_steps  # noqa: F401  (registers the hook)
 from .plan import Plan, StepAction
-from .wrap import NothingServedError, NothingServedWarning, Wrapped, unwrap, wrap
+from .wrapping import NothingServedError, NothingServedWarning, Wrapped, unwrap, wrap
 
 __version__ = "0.1.0"
 

@@ -11,7 +11,7 @@ import torch
 import leancompile
 from leancompile import backbones
 from leancompile.runtime import engine, retain, rowwise
-from leancompile.wrapped import RUNTIME
+from leancompile.wrapping.wrapped import RUNTIME
 
 
 def _wan():

@@ -13,7 +13,7 @@ from leancompile.cost.scenario import reweight_buffers
 from leancompile.plan import Action, Schedule
 from leancompile.schedules import SCHEDULES, estimators
 from leancompile.trainers import FlowGRPOConfig, FlowGRPOTrainer
-from leancompile.wrap import wrap
+from leancompile.wrapping import wrap
 
 from conftest import PromptTable, mean_reward
 

@@ -201,7 +201,7 @@ def test_auto_measures_the_program_against_native_and_runs_natively_where_it_is_
     """Native's time per row measured at the first kept call is made a thousandth of a nanosecond here, so that the
     program is slower whatever the machine: after the first optimizer step that followed served calls, auto keeps
     nothing more, says why, and the loop's gradient stays native's."""
-    monkeypatch.setattr(sys.modules["leancompile.wrap_runtime"], "_native_seconds", lambda *_: 1e-12)
+    monkeypatch.setattr(sys.modules["leancompile.wrapping.wrap_runtime"], "_native_seconds", lambda *_: 1e-12)
     monkeypatch.setattr(auto, "AUTO_FLOOR", FLOOR)  # the suite's own is 0 (conftest)
     module, inputs = _sd3()
     wrapped = leancompile.wrap(module, schedule="auto")
@@ -228,7 +228,7 @@ def test_auto_measures_the_program_against_native_and_runs_natively_where_it_is_
 
 
 def test_auto_keeps_serving_where_the_program_is_not_slower(monkeypatch):
-    monkeypatch.setattr(sys.modules["leancompile.wrap_runtime"], "_native_seconds", lambda *_: 1e6)
+    monkeypatch.setattr(sys.modules["leancompile.wrapping.wrap_runtime"], "_native_seconds", lambda *_: 1e6)
     monkeypatch.setattr(auto, "AUTO_FLOOR", FLOOR)
     module, inputs = _sd3()
     wrapped = leancompile.wrap(module, schedule="auto")

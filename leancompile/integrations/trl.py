@@ -26,7 +26,7 @@ import functools
 
 import torch
 
-from ..wrapped import Wrapped
+from ..wrapping.wrapped import Wrapped
 
 # What ``compute_loss`` writes besides the loss (logged metrics, the adaptive entropy controller): the heads' runs
 # are not training steps, so the trainer gets these back as they were.

@@ -22,8 +22,8 @@ from collections.abc import Callable
 
 import torch
 
-from .backbones.plain import WRAPPED_CLASS
-from .request import SHARED_ARGUMENTS, Request
+from ..backbones.plain import WRAPPED_CLASS
+from ..request import SHARED_ARGUMENTS, Request
 from .watch import NothingServedError, NothingServedWarning
 from .wrap_runtime import attach
 from .wrapped import RUNTIME, Wrapped

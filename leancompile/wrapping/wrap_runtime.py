@@ -1,7 +1,7 @@
 """The runtime behind a wrapped module (:func:`leancompile.wrap`): the engine and its policy built from the
 wrapper's request, the checks that no framework took the module's parameters over, the descent to a submodule
 where the module's own program cannot keep its calls or where a wrapper (DDP) must run its own forward around
-them, auto's measurement against native, and the look back at each optimizer step (:mod:`leancompile.watch`)."""
+them, auto's measurement against native, and the look back at each optimizer step (:mod:`.watch`)."""
 from __future__ import annotations
 
 import functools
@@ -12,20 +12,20 @@ from collections import Counter
 import torch
 from torch.utils import _pytree as pytree
 
-from .backbones.families import family_of
-from .backbones.plain import fully_sharded, named_weights
-from .passes.pipeline import PassHistory
-from .plan import AUTO, Action, Schedule, StepAction
-from .request import Request
-from .runtime.auto import forward_seconds, program_seconds_per_row, slower, update_seconds
-from .runtime.bitwise import BitwiseRetain
-from .runtime.calls import Call, bound, named_forward
-from .runtime.engine import CallRecord, ReuseEngine
-from .runtime.frameworks import framework_refusal, passed_through
-from .runtime.policy import RolloutPolicy
-from .runtime.regional import RegionalEngine, transformer_blocks
-from .runtime.rowwise import RowwiseBackbone
-from .schedules import SCHEDULES
+from ..backbones.families import family_of
+from ..backbones.plain import fully_sharded, named_weights
+from ..passes.pipeline import PassHistory
+from ..plan import AUTO, Action, Schedule, StepAction
+from ..request import Request
+from ..runtime.auto import forward_seconds, program_seconds_per_row, slower, update_seconds
+from ..runtime.bitwise import BitwiseRetain
+from ..runtime.calls import Call, bound, named_forward
+from ..runtime.engine import CallRecord, ReuseEngine
+from ..runtime.frameworks import framework_refusal, passed_through
+from ..runtime.policy import RolloutPolicy
+from ..runtime.regional import RegionalEngine, transformer_blocks
+from ..runtime.rowwise import RowwiseBackbone
+from ..schedules import SCHEDULES
 from .watch import FIXES, REGISTRATIONS, NothingServedError, NothingServedWarning, watch
 from .wrapped import RUNTIME, wrapped_class
 

@@ -1,6 +1,6 @@
 """The wrapped module's class: the module's own with :class:`Wrapped` in front, as FSDP2's ``fully_shard`` puts
 ``FSDPModule`` in front. Its calls go to the runtime kept in the module's ``__dict__`` under :data:`RUNTIME`
-(:mod:`leancompile.wrap_runtime`)."""
+(:mod:`.wrap_runtime`)."""
 from __future__ import annotations
 
 import functools
@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 import torch
 
-from .backbones.plain import WRAPPED_CLASS
+from ..backbones.plain import WRAPPED_CLASS
 
 RUNTIME = "_leancompile_runtime"
 

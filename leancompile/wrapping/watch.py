@@ -12,7 +12,7 @@ from torch.nn.modules.module import (register_module_buffer_registration_hook,
                                      register_module_parameter_registration_hook)
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from .runtime.identity import TRAINING_FLAGS
+from ..runtime.identity import TRAINING_FLAGS
 from .wrapped import RUNTIME
 
 
