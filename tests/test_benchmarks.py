@@ -159,3 +159,16 @@ def test_the_bitwise_row_trains_native_weights_bit_for_bit_and_says_what_it_cost
     bitwise = next(r for r in rows if r["schedule"] == "bitwise")
     assert bitwise["max_rel_weight_diff"] == 0.0 and bitwise["served_calls"] > 0
     assert bitwise["predicted_speedup"] is None and bitwise["bitwise_vs_fastest"] > 0
+
+
+def test_the_equivalence_run_completes_where_auto_falls_back(monkeypatch):
+    """``make bench``'s side-by-side training where auto's run-time check falls back to native after its first step
+    (native measured faster): the optimized trainer's steps report the engine's keys whatever ran."""
+    from benchmarks.equivalence import train_side_by_side
+    from leancompile.runtime import auto
+
+    monkeypatch.setattr(auto, "AUTO_FLOOR", 0.97)
+    monkeypatch.setattr(auto, "forward_seconds", lambda module, args, kwargs: 1e-12)
+    monkeypatch.setattr(auto, "update_seconds", lambda module, trainable, args, kwargs: 1e-12)
+    result = train_side_by_side(2, "float64")
+    assert result["steps"] == 2 and result["weight_rel_error"] <= 1e-10

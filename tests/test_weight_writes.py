@@ -286,3 +286,4 @@ def test_reweight_calls_after_a_second_optimizer_step_say_weights_and_are_not_wa
     assert [r.kind for r in recomputed] == ["weights", "weights"], recomputed
     assert all("freed" in r.reason and "written since the kept call" in r.reason for r in recomputed)
     assert not [w for w in recwarn if issubclass(w.category, leancompile.NothingServedWarning)]
+

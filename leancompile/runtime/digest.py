@@ -28,6 +28,8 @@ import torch
 ROW = 256  # 32-bit words a row
 BUCKET = 1 << 28  # bytes copied into rows at once at most (a larger tensor alone)
 IN_PLACE = 1 << 16  # bytes from which a tensor of whole rows is read where it lies
+# Bytes of memory traffic a digest moves per byte of weights (tensors of whole rows, read where they lie), by device
+TRAFFIC = {"cpu": 5, "cuda": 9}
 
 
 class Unreadable(Exception):
@@ -35,13 +37,25 @@ class Unreadable(Exception):
 
 
 def digest(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """One int64 per tensor of ``tensors``, equal for two lists exactly when their values are (but for the odds
-    above). A sharded DTensor is read by its local shard; all tensors must share a device. Raises
-    :class:`Unreadable` for a tensor with no storage behind its values."""
+    """One int64 per tensor of ``tensors`` (on the first one's device), equal for two lists exactly when their
+    values are (but for the odds above). A sharded DTensor is read by its local shard; tensors on several devices
+    are digested on each. Raises :class:`Unreadable` for a tensor with no storage behind its values."""
     flats = [_bytes(t) for t in tensors]
     if not flats:
-        return torch.zeros(0, dtype=torch.int64)
-    device = flats[0].device
+        return torch.zeros(0, dtype=torch.int64, device="cpu")
+    by_device: dict[torch.device, list[int]] = {}
+    for i, flat in enumerate(flats):
+        by_device.setdefault(flat.device, []).append(i)
+    if len(by_device) == 1:
+        return _on_one_device(flats, flats[0].device)
+    out = torch.zeros(len(flats), dtype=torch.int64, device=flats[0].device)
+    for device, indices in by_device.items():
+        part = _on_one_device([flats[i] for i in indices], device).to(out.device)
+        out.index_copy_(0, torch.tensor(indices, device=out.device), part)
+    return out
+
+
+def _on_one_device(flats: list[torch.Tensor], device: torch.device) -> torch.Tensor:
     layout = _layout(tuple(f.numel() for f in flats), device)
     sums = torch.cat([_row_sums(rows) for rows in _rows(flats, layout.pads, device)])
     return torch.zeros(len(flats), dtype=torch.int64, device=device).index_add_(0, layout.owner,
@@ -100,7 +114,8 @@ class _Layout:
         row = 4 * ROW
         counts = [max(-(-n // row), 1) for n in sizes]
         self.pads = tuple(c * row - n for c, n in zip(counts, sizes))
-        self.owner = torch.repeat_interleave(torch.arange(len(sizes)), torch.tensor(counts)).to(device)
+        self.owner = torch.repeat_interleave(torch.arange(len(sizes), device="cpu"),
+                                             torch.tensor(counts, device="cpu")).to(device)
         total = sum(counts)
         self.places = _weights(1 << (total - 1).bit_length(), device, seed=1)[:total]
 
@@ -115,4 +130,5 @@ def _weights(n: int, device: torch.device, seed: int) -> torch.Tensor:
     """``n`` random odd 64-bit integers, drawn on the CPU from a fixed seed (every device and process
     agrees); the rows' places take a power of two of them, so that a few draws serve every layout."""
     generator = torch.Generator().manual_seed(0x1EA5 + seed)
-    return (torch.randint(-(1 << 62), 1 << 62, (n,), generator=generator, dtype=torch.int64) * 2 + 1).to(device)
+    drawn = torch.randint(-(1 << 62), 1 << 62, (n,), generator=generator, dtype=torch.int64, device="cpu")
+    return (drawn * 2 + 1).to(device)
