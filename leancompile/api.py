@@ -31,7 +31,8 @@ def _native_plan(config, requested: str, reason: str, **analyses) -> Plan:
 
 def optimize(trainer, schedule: str = "auto", memory_budget: float | None = None, strict: bool = False,
              memory_limit: int | None = None, samples_per_step: int | None = None, device=None,
-             tune_matmuls: bool = True, bitwise: bool = False, per_block: bool | None = None):
+             tune_matmuls: bool = True, bitwise: bool = False, per_block: bool | None = None,
+             verify: str = "values"):
     """Return a trainer that runs the same GRPO step as ``trainer`` with the redundant backbone forward removed.
 
     Args:
@@ -63,13 +64,16 @@ def optimize(trainer, schedule: str = "auto", memory_budget: float | None = None
             fraction f (or ``memory_budget``) runs each block's partition at activation budget f. ``None``: per
             block under FSDP2 (``parallel="fsdp"``) unless auto's plan prices Retain's whole call on the gathered
             weights, the whole call otherwise. Bitwise Retain runs the whole call.
+        verify: as in :func:`leancompile.wrap`: ``"values"`` compares a digest of the weights' values at every
+            answer, ``"versions"`` their version counters alone (for a reward or callback known not to write the
+            weights through ``.data``).
 
     Returns:
         The optimized trainer, with ``.plan``, ``.graphs``, ``.pass_history`` (every pass run, at compile time
         and when the per-row program compiles at the first step) and ``.explain()``.
     """
     request = Request(schedule, "optimize", memory_budget, strict, memory_limit, samples_per_step, device,
-                      per_block, tune_matmuls, bitwise)
+                      per_block, tune_matmuls, bitwise, verify=verify)
     check_protocol(trainer)
     history = passes.PassHistory()
     # Traced and analysed on the whole weights' shapes (FSDP2: fake tensors, nothing gathered; trainers.parallel).
@@ -101,7 +105,7 @@ def _reference_engine(trainer, engine) -> ReuseEngine | None:
     reference = getattr(trainer, "reference", None)
     if engine is None or not engine.schedule_runtime.advantages or not isinstance(reference, torch.nn.Module):
         return None
-    return ReuseEngine(reference, engine.schedule_runtime, {}, log=engine.log)
+    return ReuseEngine(reference, engine.schedule_runtime, {}, log=engine.log, verify=engine.verify)
 
 
 def _on_weights(trainer, backbone, trainable):

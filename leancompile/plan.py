@@ -18,6 +18,10 @@ class Schedule(str, enum.Enum):
 
 
 AUTO = "auto"  # the request for the fastest program that fits, native included (the planner's choice)
+# What an answer is checked against besides the call's state (``verify``): the digest of the weights' values, sound
+# whatever writes them, or their version counters alone, which trusts that nothing writes them through .data
+VALUES, VERSIONS = "values", "versions"
+VERIFY = (VALUES, VERSIONS)
 
 
 class Action(str, enum.Enum):

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 
-from .plan import AUTO, Schedule
+from .plan import AUTO, VALUES, VERIFY, Schedule
 
 # What each entry point accepts as ``schedule``: every schedule, auto, and (optimize only) the native program
 SCHEDULE_NAMES = (AUTO, *(str(s) for s in Schedule if s is not Schedule.NATIVE))
@@ -32,6 +32,7 @@ class Request:
     shared: tuple[str, ...] = SHARED_ARGUMENTS  # wrap: keyword arguments every row shares
     trained: Callable[[int], bool] | None = None  # wrap: which of a rollout's calls the update trains
     raises: bool = False  # wrap's ``strict``: raise NothingServedError where NothingServedWarning would be given
+    verify: str = VALUES  # what an answer is checked against besides the state: the weights' values or versions
 
     def __post_init__(self):
         names = OPTIMIZE_SCHEDULES if self.entry == "optimize" else WRAP_SCHEDULES
@@ -57,6 +58,9 @@ class Request:
         if self.trained is not None and not callable(self.trained):
             raise ValueError(f"trained must be a callable trained(n) -> bool on a rollout's n-th call; got "
                              f"{self.trained!r}")
+        if self.verify not in VERIFY:
+            raise ValueError(f"verify must be one of {VERIFY} ('versions' trusts that nothing writes the weights "
+                             f"through .data or another alias); got {self.verify!r}")
         self._check_bitwise()
 
     def _check_bitwise(self) -> None:

@@ -263,7 +263,8 @@ def _engine(trainer, schedule_runtime: ScheduleRuntime, steps, request: Request,
             backbone = trainer.sync.root
         blocks = [block for _, stack in backbone.block_stacks() for block in stack]
         return RegionalEngine(backbone, blocks, schedule_runtime.for_block, request.tune_matmuls, history,
-                              shared=backbone.spec.block_shared, fractions=tuple(fractions), policy=StepPolicy())
+                              shared=backbone.spec.block_shared, fractions=tuple(fractions), policy=StepPolicy(),
+                              verify=request.verify)
     # The whole call runs on the weights the step runs on: the trainer's, or under FSDP2 its gathered copy (the
     # analyses ran on fake ones).
     with trainer.sync.whole_weights(trainer) as (backbone, _):
@@ -273,7 +274,7 @@ def _engine(trainer, schedule_runtime: ScheduleRuntime, steps, request: Request,
     # auto's plan is checked against native at run time in one process (runtime.auto): each kept and served call
     # timed
     return ReuseEngine(backbone, schedule_runtime, rowwise, StepPolicy(), sync=trainer.sync,
-                       timed=request.schedule == AUTO and trainer.sync.world_size == 1)
+                       timed=request.schedule == AUTO and trainer.sync.world_size == 1, verify=request.verify)
 
 
 _HOW = {Action.RETAIN: "the rollout keeps its activations for the update's calls",

@@ -287,3 +287,18 @@ def test_reweight_calls_after_a_second_optimizer_step_say_weights_and_are_not_wa
     assert all("freed" in r.reason and "written since the kept call" in r.reason for r in recomputed)
     assert not [w for w in recwarn if issubclass(w.category, leancompile.NothingServedWarning)]
 
+
+
+def test_verify_versions_trusts_the_loop_and_a_bad_value_is_refused_by_name():
+    """``verify="versions"`` reads no weight's values: a write through ``.data`` is not seen (the loop is trusted
+    not to make one), and nothing is digested."""
+    module = leancompile.wrap(TwoArguments(), verify="versions")
+    x, t = torch.randn(3, 6, dtype=torch.float64), torch.full((3,), 0.5, dtype=torch.float64)
+    with torch.no_grad():
+        module(x, t)
+    module.linear.weight.data.mul_(2)
+    module(x, t).sum().backward()
+    assert module.stats()["served_calls"] == 1
+    assert module.engine.reader.digested == []
+    with pytest.raises(ValueError, match="verify must be one of"):
+        leancompile.wrap(TwoArguments(), verify="bytes")

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .calls import Call, output_layout
+from ..plan import VALUES
 from .identity import StateReader, row_keys
 from .policy import KeepPolicy, StepPolicy
 from .rowwise import RowwiseBackbone
@@ -86,10 +87,11 @@ class ReuseEngine:
 
     def __init__(self, backbone, schedule_runtime: ScheduleRuntime, rowwise: dict[float, RowwiseBackbone],
                  policy: KeepPolicy | None = None, sync=None, shared: frozenset[str] = frozenset(), native=None,
-                 timed: bool = False, verified=None, log: StepLog | None = None):
+                 timed: bool = False, verified=None, log: StepLog | None = None, verify: str = VALUES):
         """``verified(call) -> Verified``: where a caller verifies this engine's calls (a block's engine, see
         runtime.regional), what identifies their rows; None: their own row inputs. ``log``: where the calls are
-        recorded, where engines share one (default: its own)."""
+        recorded, where engines share one (default: its own). ``verify``: what an answer is checked against besides
+        the state (plan.VERIFY)."""
         self.backbone = backbone
         self.policy = policy if policy is not None else StepPolicy()
         self.timed = timed  # each kept and served call's own time measured to the device's end (auto compares it)
@@ -100,7 +102,8 @@ class ReuseEngine:
         self.schedule_runtime = schedule_runtime
         self.rowwise = rowwise  # one per activation budget (Retain's partial retention)
         self.verified = verified
-        self.reader = StateReader(backbone, sync.sources() if sync is not None else ())
+        self.verify = verify
+        self.reader = StateReader(backbone, sync.sources() if sync is not None else (), verify=verify)
         self.store = KeptCalls(self.reader)
         self.log = log if log is not None else StepLog()
         self._leaves: list | None = None  # while provisional loss heads run: the leaves handed out

@@ -19,6 +19,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from ..backbones.plain import named_weights
+from ..plan import VALUES
 from .calls import Call
 from .digest import Unreadable, digest
 
@@ -91,9 +92,11 @@ class CallState:
 class StateReader:
     """Reads :class:`CallState` for one backbone (its module and tensor lists taken once)."""
 
-    def __init__(self, backbone: torch.nn.Module, sources: list[torch.Tensor] = (), others: tuple = ()):
+    def __init__(self, backbone: torch.nn.Module, sources: list[torch.Tensor] = (), others: tuple = (),
+                 verify: str = VALUES):
         """``sources``: what the weights are copies of, where they are (FSDP2's shards); ``others``: tensors whose
-        values other readers digest (a module's blocks, each digested by its own engine)."""
+        values other readers digest (a module's blocks, each digested by its own engine); ``verify``: ``VERSIONS``
+        digests nothing."""
         named = list(backbone.named_modules())
         self.module_names, self.modules = [n for n, _ in named], [m for _, m in named]
         # Each module's flag read from its instance dict: an attribute lookup walks the class's whole MRO whenever
@@ -109,7 +112,8 @@ class StateReader:
         # What the weights are copies of (FSDP2 shards) is versioned and digested too.
         self.versioned = [*self.tensors, *sources]
         skip = {id(t) for t in others}
-        self.digested = [(name, t) for name, t in zip(self.tensor_names, self.versioned) if id(t) not in skip]
+        self.digested = [(name, t) for name, t in zip(self.tensor_names, self.versioned)
+                         if id(t) not in skip and verify == VALUES]
 
     def read(self, call: Call) -> CallState:
         device = call.device.type

@@ -37,7 +37,7 @@ from torch.utils import _pytree as pytree
 
 from ..backbones.plain import fully_sharded, plain_copy
 from ..passes.pipeline import PassHistory
-from ..plan import StepAction
+from ..plan import VALUES, StepAction
 from .calls import Call, bound, named_forward, output_layout
 from .engine import HELD, ReuseEngine, StepLog, Verified, no_stats
 from .identity import StateReader, row_keys
@@ -60,13 +60,15 @@ class RegionalEngine:
                  block_runtime: Callable[[], ScheduleRuntime], tune_matmuls: bool = True,
                  history: PassHistory | None = None, shared: tuple[str, ...] = (),
                  call_shared: frozenset[str] = frozenset(), fractions: tuple[float, ...] = (1.0,),
-                 policy: KeepPolicy | None = None):
+                 policy: KeepPolicy | None = None, verify: str = VALUES):
         """``block_runtime`` makes each block's schedule runtime; it must serve calls whose inputs require grad.
         ``shared``: the blocks' arguments that every row shares whatever their leading size (a family's
         ``block_shared``); ``call_shared``: the backbone's (see runtime.calls). ``fractions``: the activation
         memory budgets the plan keeps steps at (each block's partition at each). ``policy``: which backbone calls
-        to keep (their blocks keep theirs)."""
+        to keep (their blocks keep theirs). ``verify``: what an answer is checked against besides the state
+        (plan.VERIFY)."""
         self.backbone = backbone
+        self.verify = verify
         self.call_shared = call_shared
         self.policy = policy if policy is not None else StepPolicy()
         self.blocks = list(blocks)
@@ -81,10 +83,11 @@ class RegionalEngine:
                                           input_grads=True, programs=programs.setdefault((kind, f), {}))
                        for f in sorted({*fractions, 1.0})}
             self.engines.append(ReuseEngine(block, block_runtime(), rowwise, policy, native=native, log=self.log,
-                                            shared=frozenset(shared), verified=self._verified))
+                                            shared=frozenset(shared), verified=self._verified, verify=verify))
         self._routes = [_ByName(engine, block) for block, engine in zip(self.blocks, self.engines)]
         # The kept backbone calls (inputs and state; the blocks keep the rest, and digest their own weights)
-        self.reader = StateReader(backbone, others=[t for engine in self.engines for t in engine.reader.versioned])
+        self.reader = StateReader(backbone, others=[t for engine in self.engines for t in engine.reader.versioned],
+                                  verify=verify)
         self.store = KeptCalls(self.reader)
         self._modes = ModeProof(backbone, self.reader)
         self._precision: torch.dtype | None = None  # the coarsest the heads' cotangents were computed in
@@ -96,7 +99,7 @@ class RegionalEngine:
         # Reweight: a call without grad that matches no kept call (a KL reference with the adapters off) runs once
         # during the heads and its values are kept; the other heads' and the update's equal calls are served them
         self._values = ReuseEngine(backbone, self.engines[0].schedule_runtime, {}, shared=call_shared,
-                                   native=self._natively, log=self.log)
+                                   native=self._natively, log=self.log, verify=verify)
         self._idle: frozenset[int] = frozenset()  # blocks the heads run without grad (see provisional)
         self._answered: list[torch.nn.Module] = []  # blocks the heads answer with kept outputs (see provisional)
         self._sharded = any(fully_sharded(block) for block in self.blocks)  # by FSDP2

@@ -34,7 +34,7 @@ __all__ = ["NothingServedError", "NothingServedWarning", "Wrapped", "unwrap", "w
 def wrap(module: torch.nn.Module, schedule: str = "retain", memory_limit: int | None = None,
          shared: tuple[str, ...] = SHARED_ARGUMENTS, tune_matmuls: bool = True, bitwise: bool = False,
          per_block: bool | None = None, trained: Callable[[int], bool] | None = None,
-         strict: bool = False) -> Wrapped:
+         strict: bool = False, verify: str = "values") -> Wrapped:
     """Wrap ``module`` so that its calls with grad are served from its earlier calls without grad where that is
     verified to compute the same thing.
 
@@ -70,6 +70,11 @@ def wrap(module: torch.nn.Module, schedule: str = "retain", memory_limit: int | 
             steps after the rollout).
         strict: raise :class:`NothingServedError` where the warning :class:`NothingServedWarning` would be given
             (an optimizer step after calls with grad none of which was served), e.g. in CI.
+        verify: ``"values"``: every answer (a served call, a served value) compares an exact digest of the weights'
+            values with the one its kept call was made with (:mod:`leancompile.runtime.digest`: every write is
+            seen, through ``.data`` or an alias too; it reads the weights once per kept call and per answer).
+            ``"versions"``: their version counters alone, which trusts that nothing writes the weights through
+            ``.data`` or another alias between a kept call and its answers (no reference or EMA swapped in).
 
     Returns:
         The module itself, its class put behind :class:`Wrapped` (``isinstance`` holds, its ``state_dict`` keys
@@ -82,7 +87,7 @@ def wrap(module: torch.nn.Module, schedule: str = "retain", memory_limit: int | 
         raise ValueError("module is already wrapped: wrap it once (leancompile.unwrap(module) undoes it)")
     request = Request(schedule, "wrap", memory_limit=memory_limit, per_block=per_block, tune_matmuls=tune_matmuls,
                       bitwise=bitwise, shared=tuple(shared) if not isinstance(shared, str) else shared,
-                      trained=trained, raises=strict)
+                      trained=trained, raises=strict, verify=verify)
     runtime = attach(module, request)
     if runtime.refusal is not None:
         warnings.warn(f"leancompile.wrap: {runtime.refusal}", NothingServedWarning, stacklevel=2)

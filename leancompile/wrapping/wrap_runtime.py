@@ -327,9 +327,9 @@ def build_engine(module: torch.nn.Module, request: Request) -> tuple:
         family = family_of(module)
         engine = RegionalEngine(module, blocks, schedule_runtime.for_block, tune_matmuls, PassHistory(),
                                 shared=family.block_shared if family else (), call_shared=frozenset(shared),
-                                policy=policy)
+                                policy=policy, verify=request.verify)
     else:
         per_row = {1.0: RowwiseBackbone(module, tune_matmuls=tune_matmuls)}
         engine = ReuseEngine(module, schedule_runtime, per_row, policy, shared=frozenset(shared), native=native,
-                             timed=auto)
+                             timed=auto, verify=request.verify)
     return engine, policy
