@@ -40,6 +40,7 @@ bench: $(VENV)/.installed
 	$(BENCH_MALLOC) $(PY) -m benchmarks $(if $(FULL),--full,$(if $(GRID),--grid,))
 	$(BENCH_MALLOC) $(PY) -m pytest -n 0 -m timing tests/test_cost.py
 	$(PY) -m benchmarks.build_time
+	$(BENCH_MALLOC) $(PY) -m benchmarks.weight_check
 
 bench-distributed: $(VENV)/.installed
 	$(BENCH_MALLOC) $(PY) -m benchmarks.distributed

@@ -79,7 +79,7 @@ def measure_loop(name: str, repetitions: int, device: str = "cpu") -> dict:
            "schedule": f"wrap ({config.schedule})", **timing_fields(times["native"], times["wrapped"]),
            "ideal_speedup": flops["native"] / flops["wrapped"], "native_flops": flops["native"],
            "optimized_flops": flops["wrapped"],
-           "held_bytes": wrapped.get("retained_bytes", wrapped.get("buffer_bytes", 0)),
+           "held_bytes": wrapped["retained_bytes"] + wrapped["buffer_bytes"],
            "served_calls": wrapped["served_calls"], "recomputed_calls": wrapped["recomputed_calls"],
            "check_fraction": wrapped["check_seconds"] / times["wrapped"][-1].wall,
            "repetitions": repetitions,

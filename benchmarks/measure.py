@@ -221,7 +221,7 @@ def measure_case(case: Case, repetitions: int, schedules: tuple[str, ...] = ("re
                "optimized_flops": flops[source],
                # what the schedule holds from the rollout to the update: activations (retain), gradient buffers and
                # the backbone's kept inputs and outputs (reweight)
-               "held_bytes": s.get("retained_bytes", s.get("buffer_bytes", 0)),
+               "held_bytes": s["retained_bytes"] + s["buffer_bytes"],
                "offloaded_bytes": s.get("offloaded_bytes", 0),
                "served_calls": s["served_calls"],
                "recomputed_calls": s["recomputed_calls"],

@@ -22,7 +22,7 @@ def main(steps: int = 3) -> None:
     print(fast.plan)
     for _ in range(steps):
         stats = fast.step([3, 5, 7, 9])
-        held = stats.get("retained_bytes", stats.get("buffer_bytes", 0))  # activations (retain) or gradients (reweight)
+        held = stats["retained_bytes"] + stats["buffer_bytes"]  # activations (retain) or gradients (reweight)
         print(f"step {stats['step']}: reward {stats['reward_mean']:.3f}, {stats['step_seconds']:.2f} s, "
               f"{stats['served_calls']} backbone calls served by the rollout, {held / 2**20:.2f} MiB held")
     print(fast.explain().split("graphs:")[1])

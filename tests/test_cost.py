@@ -161,7 +161,7 @@ def test_under_a_budget_that_cannot_retain_every_step_auto_fits():
     tracker = LiveSavedTensors.of(auto)
     with tracker.tracking():
         stats = auto.step(PROMPTS)
-    held = stats.get("buffer_bytes", 0) + stats.get("retained_bytes", 0)
+    held = stats["buffer_bytes"] + stats["retained_bytes"]
     assert static_bytes(auto) + tracker.peak + held <= limit
 
 
