@@ -220,7 +220,7 @@ def test_auto_measures_the_program_against_native_and_runs_natively_where_it_is_
     notes = [r for r in wrapped.last_calls if r.kind == "auto"]
     assert len(notes) == 1 and "runs natively from now on" in notes[0].reason
     stats = wrapped.stats()
-    assert stats["served_calls"] == 1 and stats["recompute_reasons"] == {"nothing kept": 1}, stats
+    assert stats["served_calls"] == 1 and stats["recompute_reasons"] == {"freed": 1}, stats
     assert "runs natively from now on" in stats["auto"]
     grads = _update(wrapped, **inputs)
     leancompile.unwrap(wrapped)
