@@ -55,6 +55,7 @@ class WrapRuntime:
         """The module's parameters as they are now: which the engine reads, which the optimizer-step watch follows,
         and whether a submodule could serve calls this module's program cannot keep."""
         self.registrations, self.parameters = REGISTRATIONS[0], [id(p) for p in module.parameters()]
+        self.structure = _structure(module)
         self.trainable = [p for p in module.parameters() if p.requires_grad]
         self.descendable = _largest_trainable_child(module) is not None
 
@@ -124,11 +125,17 @@ class WrapRuntime:
         if self.registrations == REGISTRATIONS[0]:
             return
         self.registrations = REGISTRATIONS[0]
-        if [id(p) for p in module.parameters()] != self.parameters:
+        structure = _structure(module)
+        if structure != self.structure:
             self.refusal = framework_refusal(module)
             if self.refusal is None:
+                # A parameter, buffer or submodule replaced: the engine reads the module's new ones, and the calls
+                # kept with the old ones are freed, the change their reason.
                 self.engine.release()
+                replaced = _replaced(self.structure, structure)
                 self._build(module)
+                if isinstance(self.engine, ReuseEngine):
+                    self.engine.store.stale = f"{replaced} since they were kept"
             else:  # wrapped before FSDP1 flattened it: say so now, and watch the steps over its new parameters
                 self.engine.release()
                 self._read_parameters(module)
@@ -241,6 +248,24 @@ def _native_seconds(module: torch.nn.Module, trainable: list, args: tuple, kwarg
 def _rows(args: tuple) -> int:
     tensors = [leaf for leaf in pytree.tree_leaves(args) if isinstance(leaf, torch.Tensor) and leaf.dim()]
     return tensors[0].shape[0] if tensors else 0
+
+
+def _structure(module: torch.nn.Module) -> dict[str, dict[str, int]]:
+    """The module's submodules, parameters and buffers: per kind, each one's name and id."""
+    return {kind: {name: id(t) for name, t in named(remove_duplicate=False)} for kind, named in
+            (("submodule", module.named_modules), ("parameter", module.named_parameters),
+             ("buffer", module.named_buffers))}
+
+
+def _replaced(before: dict, after: dict) -> str:
+    """The first submodule, parameter or buffer that is not what it was (replaced, added or removed), named."""
+    for kind in before:
+        for name in (*before[kind], *after[kind]):
+            if before[kind].get(name) != after[kind].get(name):
+                change = ("replaced" if name in before[kind] and name in after[kind] else
+                          "added" if name in after[kind] else "removed")
+                return f"{kind} {name or '(the module)'} was {change}"
+    return "the module's tensors changed"
 
 
 def _largest_trainable_child(module: torch.nn.Module) -> tuple[str, torch.nn.Module] | None:
