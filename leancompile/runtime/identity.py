@@ -33,8 +33,9 @@ _DTYPE = operator.attrgetter("dtype")
 # Values of a submodule's attributes compared as state: plain ones, and lists, tuples and dicts of plain ones (read
 # as tuples, since the module may change them in place: peft's ``scaling[adapter] = s``, ``merged_adapters.append``)
 _PLAIN = (bool, int, float, str, type(None))
-# Compared elsewhere (the training flags), or moved by what is compared elsewhere (a backward hook's registration)
-_NOT_ATTRIBUTES = frozenset({"training", "_is_full_backward_hook"})
+# torch's own per-module attributes: the training flag (compared apart), the tensors, submodules and hooks (their
+# dictionaries), moved by what is compared elsewhere (a backward hook's registration)
+_NOT_ATTRIBUTES = frozenset(torch.nn.Module().__dict__)
 # The hook dictionaries of a module, and torch's global ones (every module's), with what each is called in a reason
 _HOOKS = (("_forward_hooks", "forward hook"), ("_forward_pre_hooks", "forward pre-hook"),
           ("_backward_hooks", "backward hook"), ("_backward_pre_hooks", "backward pre-hook"))
@@ -119,13 +120,16 @@ class StateReader:
         # What the weights are copies of (FSDP2 shards) is versioned too.
         self.versioned = [*self.tensors, *sources]
         # The attributes compared: (instance dict, name) of each plain one, and of each container of plain ones
-        plain = [(i, k) for i, d in enumerate(self.flags) for k, v in d.items()
-                 if k not in _NOT_ATTRIBUTES and type(v) in _PLAIN]
-        held = [(i, k) for i, d in enumerate(self.flags) for k, v in d.items()
-                if k not in _NOT_ATTRIBUTES and _container(v)]
-        self.attribute_names = [(self.module_names[i], k) for i, k in (*plain, *held)]
-        self._plain = ([self.flags[i] for i, _ in plain], [k for _, k in plain])
-        self._held = ([self.flags[i] for i, _ in held], [k for _, k in held])
+        # A LoRA layer's lists and dicts: its active adapter, scaling and merged adapters (its others, such as each
+        # adapter's rank, change only where an adapter is added, which registers modules)
+        lora = {id(m) for m in self.lora}
+        attributes = {kind: [(i, k) for i, d in enumerate(self.flags) for k, v in d.items()
+                             if k not in _NOT_ATTRIBUTES and _attribute(v) == kind
+                             and (kind is tuple or id(self.modules[i]) not in lora or k in _LORA_ATTRIBUTES)]
+                      for kind in (tuple, list, dict)}
+        self.attribute_names = [(self.module_names[i], k) for kind in attributes for i, k in attributes[kind]]
+        self._attributes = {kind: ([self.flags[i] for i, _ in at], [k for _, k in at])
+                            for kind, at in attributes.items()}
         # Each hook dictionary, with its module's position (None: torch's global ones) and kind; which of them hold
         # hooks is looked up again whenever a hook was registered anywhere (torch numbers every hook handle from one
         # counter), and those are read at each call (a hook removed from one of them).
@@ -144,9 +148,16 @@ class StateReader:
         return CallState(signature, autocast, modules, self.versions(), tuple(map(_TRAINING, self.flags)))
 
     def attributes(self) -> tuple:
-        """The submodules' plain attributes, then their containers of plain values (as tuples), in ``attribute_names``
+        """The submodules' plain attributes (with the tuples of plain values), then their lists and dicts of plain
+        values as tuples (the module may change them in place; a compile key is hashed), in ``attribute_names``
         order."""
-        return (*map(dict.get, *self._plain), *map(_frozen, map(dict.get, *self._held)))
+        read = self._attributes
+        try:
+            return (*map(dict.get, *read[tuple]), *map(tuple, map(dict.get, *read[list])),
+                    *map(tuple, map(dict.items, map(dict.get, *read[dict]))))
+        except TypeError:  # an attribute that held a list or dict holds something else now
+            return (*map(dict.get, *read[tuple]), *(_frozen(d.get(k)) for kind in (list, dict)
+                                                   for d, k in zip(*read[kind])))
 
     def hooks(self) -> tuple:
         """``(module position or None, kind, hook ids)`` for each hook dictionary that holds hooks."""
@@ -170,18 +181,20 @@ class StateReader:
         return torch.stack(torch._foreach_norm(tensors))
 
 
-def _container(value) -> bool:
-    """Whether ``value`` is a list, tuple or dict (its keys and values) of plain values."""
-    if type(value) is dict:
-        return all(type(v) in _PLAIN for v in (*value, *value.values()))
-    return type(value) in (list, tuple) and all(type(v) in _PLAIN for v in value)
+def _attribute(value) -> type | None:
+    """How an attribute's value is compared: as it is (``tuple``: a plain value, or a tuple of them), as a copy
+    (``list``, ``dict``: of plain values, which the module may change in place), or not (None)."""
+    kind = type(value)
+    if kind in _PLAIN:
+        return tuple
+    if kind is dict:
+        return dict if all(type(v) in _PLAIN for v in (*value, *value.values())) else None
+    return kind if kind in (list, tuple) and all(type(v) in _PLAIN for v in value) else None
 
 
 def _frozen(value):
-    """A container's value as it is now (the module may change it in place)."""
-    if type(value) is dict:
-        return tuple(value.items())
-    return tuple(value) if type(value) is list else value
+    """A value as it is now, hashable (a list or dict as a tuple: the module may change it in place)."""
+    return tuple(value.items()) if type(value) is dict else tuple(value) if type(value) is list else value
 
 
 def _explain_modules(kept: tuple, now: tuple, reader: "StateReader") -> str:
