@@ -4,10 +4,12 @@ Two calls give the same rows of output when each row's inputs are bitwise equal 
 receives: latents, sigma, text and pooled conditioning, ids, masks; :mod:`.calls`), the tensors every row shares
 are bitwise equal, the non-tensor arguments are equal, and the call's
 state is the same: every parameter and buffer unmodified (version counters, frozen ones included), every
-submodule's training flag, each LoRA layer's adapters enabled or not, which parameters require grad, and the
-autocast state of the call's device. An exact digest of every weight's values (:mod:`.digest`), taken per kept call
-and compared per answer, also catches writes that move no version counter (through ``.data``, ``set_``, another
-alias). Random operators are refused where the call is compiled.
+submodule's training flag, each LoRA layer's adapters enabled or not, which parameters require grad, each weight's
+dtype, every submodule's plain attributes (numbers, strings, and lists or dicts of them: a norm's epsilon, a LoRA
+layer's active adapter, scaling and merged adapters), the forward and backward hooks registered on each submodule
+and globally, and the autocast state of the call's device. An exact digest of every weight's values
+(:mod:`.digest`), taken per kept call and compared per answer, also catches writes that move no version counter
+(through ``.data``, ``set_``, another alias). Random operators are refused where the call is compiled.
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 from torch.utils import _pytree as pytree
+from torch.utils.hooks import RemovableHandle
 
 from ..backbones.plain import named_weights
 from ..plan import VALUES
@@ -29,6 +32,21 @@ _TRAINING = operator.itemgetter("training")
 _ADAPTERS_OFF = operator.attrgetter("disable_adapters")
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
 _VERSION = operator.attrgetter("_version")
+_DTYPE = operator.attrgetter("dtype")
+
+# Values of a submodule's attributes compared as state: plain ones, and lists, tuples and dicts of plain ones (read
+# as tuples, since the module may change them in place: peft's ``scaling[adapter] = s``, ``merged_adapters.append``)
+_PLAIN = (bool, int, float, str, type(None))
+# torch's own per-module attributes: the training flag (compared apart), the tensors, submodules and hooks (their
+# dictionaries), moved by what is compared elsewhere (a backward hook's registration)
+_NOT_ATTRIBUTES = frozenset(torch.nn.Module().__dict__)
+# The hook dictionaries of a module, and torch's global ones (every module's), with what each is called in a reason
+_HOOKS = (("_forward_hooks", "forward hook"), ("_forward_pre_hooks", "forward pre-hook"),
+          ("_backward_hooks", "backward hook"), ("_backward_pre_hooks", "backward pre-hook"))
+_GLOBAL_HOOKS = tuple((getattr(torch.nn.modules.module, f"_global{attr}"), what) for attr, what in _HOOKS)
+# LoRA layers' attributes, as a reason names them
+_LORA_ATTRIBUTES = {"scaling": "adapter scaling", "_active_adapter": "active adapter",
+                    "merged_adapters": "merged adapters"}
 
 
 # The kinds in which two call states can differ, each with the CallState field it compares, in the order checked.
@@ -42,7 +60,9 @@ class CallState:
 
     signature: tuple  # the call's tree, constants, and per tensor its shape (without the rows), dtype and device
     autocast: tuple  # (enabled, dtype) on the call's device type
-    modules: tuple  # adapters disabled per LoRA layer, requires_grad per parameter
+    # adapters disabled per LoRA layer, requires_grad per parameter, the submodules' plain attributes, the hooks
+    # registered (``(module or None for global, kind, hook ids)`` per non-empty dictionary), each weight's dtype
+    modules: tuple
     versions: tuple  # version counter of every parameter and buffer
     training: tuple = ()  # the training flag of every submodule
 
@@ -63,10 +83,7 @@ class CallState:
         if kind == "autocast":
             return f"autocast {other.autocast} differs from the kept call's {self.autocast}"
         if kind == "module state":
-            if self.modules[0] != other.modules[0]:
-                return "a LoRA layer's adapters are enabled or disabled unlike in the kept call"
-            name = _first(reader.parameter_names, self.modules[1], other.modules[1])
-            return f"parameter {name} requires grad unlike in the kept call"
+            return _explain_modules(self.modules, other.modules, reader)
         if kind == "weights":
             changed = sum(a != b for a, b in zip(self.versions, other.versions))
             name = _first(reader.tensor_names, self.versions, other.versions)
@@ -114,14 +131,53 @@ class StateReader:
         skip = {id(t) for t in others}
         self.digested = [(name, t) for name, t in zip(self.tensor_names, self.versioned)
                          if id(t) not in skip and verify == VALUES]
+        # The attributes compared: (instance dict, name) of each plain one, and of each container of plain ones
+        # A LoRA layer's lists and dicts: its active adapter, scaling and merged adapters (its others, such as each
+        # adapter's rank, change only where an adapter is added, which registers modules)
+        lora = {id(m) for m in self.lora}
+        attributes = {kind: [(i, k) for i, d in enumerate(self.flags) for k, v in d.items()
+                             if k not in _NOT_ATTRIBUTES and _attribute(v) == kind
+                             and (kind is tuple or id(self.modules[i]) not in lora or k in _LORA_ATTRIBUTES)]
+                      for kind in (tuple, list, dict)}
+        self.attribute_names = [(self.module_names[i], k) for kind in attributes for i, k in attributes[kind]]
+        self._attributes = {kind: ([self.flags[i] for i, _ in at], [k for _, k in at])
+                            for kind, at in attributes.items()}
+        # Each hook dictionary, with its module's position (None: torch's global ones) and kind; which of them hold
+        # hooks is looked up again whenever a hook was registered anywhere (torch numbers every hook handle from one
+        # counter), and those are read at each call (a hook removed from one of them).
+        self._hook_dicts = [*((i, what, m.__dict__[attr]) for i, m in enumerate(self.modules) for attr, what in _HOOKS),
+                            *((None, what, d) for d, what in _GLOBAL_HOOKS)]
+        self._hook_count: int | None = None
+        self._hooked: list = []
 
     def read(self, call: Call) -> CallState:
         device = call.device.type
         signature = call.signature()
         autocast = (torch.is_autocast_enabled(device),
                     torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None)
-        modules = (tuple(map(_ADAPTERS_OFF, self.lora)), tuple(map(_REQUIRES_GRAD, self.parameters)))
+        modules = (tuple(map(_ADAPTERS_OFF, self.lora)), tuple(map(_REQUIRES_GRAD, self.parameters)),
+                   self.attributes(), self.hooks(), tuple(map(_DTYPE, self.tensors)))
         return CallState(signature, autocast, modules, self.versions(), tuple(map(_TRAINING, self.flags)))
+
+    def attributes(self) -> tuple:
+        """The submodules' plain attributes (with the tuples of plain values), then their lists and dicts of plain
+        values as tuples (the module may change them in place; a compile key is hashed), in ``attribute_names``
+        order."""
+        read = self._attributes
+        try:
+            return (*map(dict.get, *read[tuple]), *map(tuple, map(dict.get, *read[list])),
+                    *map(tuple, map(dict.items, map(dict.get, *read[dict]))))
+        except TypeError:  # an attribute that held a list or dict holds something else now
+            return (*map(dict.get, *read[tuple]), *(_frozen(d.get(k)) for kind in (list, dict)
+                                                   for d, k in zip(*read[kind])))
+
+    def hooks(self) -> tuple:
+        """``(module position or None, kind, hook ids)`` for each hook dictionary that holds hooks."""
+        count = RemovableHandle.next_id
+        if count != self._hook_count:
+            self._hook_count = count
+            self._hooked = [entry for entry in self._hook_dicts if entry[2]]
+        return tuple((i, what, tuple(hooks)) for i, what, hooks in self._hooked)
 
     def versions(self) -> tuple[int, ...]:
         """The version counters of every parameter and buffer (and what they are copies of)."""
@@ -147,6 +203,49 @@ class StateReader:
         return (f"{len(changed)} of {len(self.digested)} parameters and buffers hold other values than when the call "
                 f"was kept, {self.digested[changed[0]][0]} first, and no version counter moved: they were written "
                 "through .data, set_ or another alias (a reference or EMA swap)")
+
+
+def _attribute(value) -> type | None:
+    """How an attribute's value is compared: as it is (``tuple``: a plain value, or a tuple of them), as a copy
+    (``list``, ``dict``: of plain values, which the module may change in place), or not (None)."""
+    kind = type(value)
+    if kind in _PLAIN:
+        return tuple
+    if kind is dict:
+        return dict if all(type(v) in _PLAIN for v in (*value, *value.values())) else None
+    return kind if kind in (list, tuple) and all(type(v) in _PLAIN for v in value) else None
+
+
+def _frozen(value):
+    """A value as it is now, hashable (a list or dict as a tuple: the module may change it in place)."""
+    return tuple(value.items()) if type(value) is dict else tuple(value) if type(value) is list else value
+
+
+def _explain_modules(kept: tuple, now: tuple, reader: "StateReader") -> str:
+    """What differs in the module state (CallState.modules), named."""
+    (off, grads, attributes, hooks, dtypes), (off_now, grads_now, attributes_now, hooks_now, dtypes_now) = kept, now
+    if off != off_now:
+        return "a LoRA layer's adapters are enabled or disabled unlike in the kept call"
+    if attributes != attributes_now:
+        i = next(i for i, (a, b) in enumerate(zip(attributes, attributes_now)) if a != b)
+        module, name = reader.attribute_names[i]
+        if name in _LORA_ATTRIBUTES:
+            what = _LORA_ATTRIBUTES[name]
+            return f"{what} of {module} ({attributes_now[i]!r}) differs from the kept call's ({attributes[i]!r})"
+        return (f"attribute {name} of {module or '(the module)'} is {attributes_now[i]!r}, in the kept call "
+                f"{attributes[i]!r}")
+    if hooks != hooks_now:
+        before, after = set(hooks), set(hooks_now)
+        i, what, _ = next(iter(sorted(after - before, key=repr) or sorted(before - after, key=repr)))
+        where = "every module (a global hook)" if i is None else (reader.module_names[i] or "the module")
+        ids = lambda state: {h for j, w, hs in state if (j, w) == (i, what) for h in hs}
+        change = "added to" if ids(hooks_now) - ids(hooks) else "removed from"
+        return f"a {what} was {change} {where} since the kept call"
+    if dtypes != dtypes_now:
+        i = next(i for i, (a, b) in enumerate(zip(dtypes, dtypes_now)) if a != b)
+        return f"{reader.tensor_names[i]} is {dtypes_now[i]}, in the kept call {dtypes[i]}"
+    name = _first(reader.parameter_names, grads, grads_now)
+    return f"parameter {name} requires grad unlike in the kept call"
 
 
 def _reads_its_flag(module: torch.nn.Module) -> bool:

@@ -148,11 +148,16 @@ class WrapRuntime:
         if self.registrations == REGISTRATIONS[0]:
             return
         self.registrations = REGISTRATIONS[0]
-        if structure(module) != self.structure:
+        now = structure(module)
+        if now != self.structure:
             self.refusal = framework_refusal(module)
             if self.refusal is None:
+                # A parameter, buffer or submodule replaced: the engine reads the module's new ones, and the calls
+                # kept with the old ones are freed, the change their reason.
+                replaced = _replaced(self.structure, now)
                 self.engine.release()
                 self._build(module)
+                self.engine.release(f"{replaced} since they were kept")
             else:  # wrapped before FSDP1 flattened it: say so now, and watch the steps over its new parameters
                 self.engine.release()
                 self._read_parameters(module)
@@ -272,12 +277,23 @@ def _rows(args: tuple) -> int:
     return tensors[0].shape[0] if tensors else 0
 
 
-def structure(module: torch.nn.Module) -> tuple:
-    """What the engine was built on: every submodule, parameter (FSDP2's sharded one, whatever FSDP2 has registered
-    now) and buffer, by name and identity."""
-    return tuple((kind, name, id(value)) for kind, members in (
-        ("module", module.named_modules(remove_duplicate=False)), ("parameter", named_weights(module)),
-        ("buffer", module.named_buffers(remove_duplicate=False))) for name, value in members)
+def structure(module: torch.nn.Module) -> dict[str, dict[str, int]]:
+    """What the engine was built on: per kind, every submodule, parameter (FSDP2's sharded one, whatever FSDP2 has
+    registered now) and buffer by name, and its identity."""
+    return {"submodule": {name: id(m) for name, m in module.named_modules(remove_duplicate=False)},
+            "parameter": {name: id(p) for name, p in named_weights(module)},
+            "buffer": {name: id(b) for name, b in module.named_buffers(remove_duplicate=False)}}
+
+
+def _replaced(before: dict, after: dict) -> str:
+    """The first submodule, parameter or buffer that is not what it was (replaced, added or removed), named."""
+    for kind in before:
+        for name in (*before[kind], *after[kind]):
+            if before[kind].get(name) != after[kind].get(name):
+                change = ("replaced" if name in before[kind] and name in after[kind] else
+                          "added" if name in after[kind] else "removed")
+                return f"{kind} {name or '(the module)'} was {change}"
+    return "the module's tensors changed"
 
 
 def _largest_trainable_child(module: torch.nn.Module) -> tuple[str, torch.nn.Module] | None:
