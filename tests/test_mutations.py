@@ -10,8 +10,8 @@ module. Each example wraps a deepcopy; the wrapped copies of one module share th
 weights are the programs' inputs; a program is found by the call's state, so sharing them is what one module would
 do), which keeps the suite's time to the programs' first compile per module.
 
-The weight-value kinds (writes through ``.data``, ``set_``, ``load_state_dict``, EMA swaps, ...) are checked by a
-digest of the weights in the store, which is being reworked: those examples are expected failures for now.
+The weight-value kinds (writes through ``.data``, ``set_``, ``load_state_dict``, EMA swaps, ...) are seen by the
+digest of the weights' values each kept call holds (leancompile.runtime.digest), compared at every answer.
 """
 from __future__ import annotations
 
@@ -344,7 +344,6 @@ class Kind:
     applies: tuple = CASES
 
 
-WEIGHT_VALUES = "writes of weight values (a digest of the weights per answer) are being reworked in the store"
 WRITTEN = r"weight|written"
 
 WEIGHT_KINDS = {
@@ -466,8 +465,7 @@ def test_a_change_of_the_modules_state_is_served_exact_or_recomputed_naming_it(c
     _explore(cases, kind, data)
 
 
-@pytest.mark.parametrize("kind", [pytest.param(kind, marks=pytest.mark.xfail(strict=False, reason=WEIGHT_VALUES))
-                                  for kind in WEIGHT_KINDS])
+@pytest.mark.parametrize("kind", list(WEIGHT_KINDS))
 @EXAMPLES
 @given(data=st.data())
 def test_a_write_of_weight_values_is_served_exact_or_recomputed_naming_it(cases, kind, data):
@@ -475,8 +473,7 @@ def test_a_write_of_weight_values_is_served_exact_or_recomputed_naming_it(cases,
 
 
 @pytest.mark.fast
-@pytest.mark.parametrize("kind", [*STATE_KINDS, *(pytest.param(kind, marks=pytest.mark.xfail(
-    strict=False, reason=WEIGHT_VALUES)) for kind in WEIGHT_KINDS)])
+@pytest.mark.parametrize("kind", [*STATE_KINDS, *WEIGHT_KINDS])
 def test_each_kind_once_on_flux(cases, kind):
     applies = {**WEIGHT_KINDS, **STATE_KINDS}[kind].applies
     check(cases("flux" if "flux" in applies else applies[0]), kind, grad=True, choice=0, order=[2, 0, 1])
