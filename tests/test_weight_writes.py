@@ -129,7 +129,7 @@ def _swap(model, values: list) -> list:
     return saved
 
 
-def _flow_factory_like(family: str, wrapped: bool, per_block: bool = False, epochs: int = 2):
+def _flow_factory_like(family: str, wrapped: bool, options: dict | None = None, epochs: int = 2):
     """Full fine-tuning with a KL reference swapped into the policy through ``.data`` inside the update phase, an
     evaluation with EMA weights swapped in before each rollout, and two optimizer steps per rollout. Returns each
     optimizer step's gradient, each KL value and the wrapped module's statistics."""
@@ -139,7 +139,7 @@ def _flow_factory_like(family: str, wrapped: bool, per_block: bool = False, epoc
     reference = [p.detach() + 1e-3 * torch.randn_like(p) for p in model.parameters()]
     ema = [p.detach().clone() for p in model.parameters()]
     if wrapped:
-        leancompile.wrap(model, per_block=per_block)
+        leancompile.wrap(model, **(options or {}))
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
     steps = [x * (1 - s) + s for s in (0.0, 0.25, 0.5, 0.75)]
     applied, kls, stats = [], [], []
@@ -173,11 +173,15 @@ def _flow_factory_like(family: str, wrapped: bool, per_block: bool = False, epoc
     return applied, kls, stats, outputs
 
 
-@pytest.mark.fast
-@pytest.mark.parametrize("family, per_block", [("sd3", False), ("flux", True)])
-def test_reference_and_ema_swaps_through_data_are_never_answered_from_the_policy(family, per_block):
+@pytest.mark.parametrize("family, options", [
+    pytest.param("sd3", {}, marks=pytest.mark.fast), ("flux", {"per_block": True}), ("sd3", {"bitwise": True}),
+    ("sd3", {"schedule": "auto"}), ("sd3", {"trained": lambda n: n % 5 != 0})])
+def test_reference_and_ema_swaps_through_data_are_never_answered_from_the_policy(family, options):
+    """Every placement of the line: the whole call, per block, bitwise Retain, auto, a ``trained=`` hint that
+    leaves the EMA's evaluation call unkept."""
+    per_block = options.get("per_block", False)
     native_grads, native_kls, _, _ = _flow_factory_like(family, wrapped=False)
-    grads, kls, stats, _ = _flow_factory_like(family, wrapped=True, per_block=per_block)
+    grads, kls, stats, _ = _flow_factory_like(family, wrapped=True, options=options)
     assert all(k > 0 for k in native_kls)
     assert kls == pytest.approx(native_kls, rel=1e-10, abs=0)
     for g, n in zip(grads, native_grads):
