@@ -25,7 +25,7 @@ def measure(case, repetitions: int) -> dict:
             "speedup": {name: paired_speedup(times["native"], times[name], "wall") for name in programs
                         if name != "native"},
             "auto_runs": str(auto.plan.schedule),
-            "auto_fallback": first["auto"][1].get("auto") or stats["auto"].get("auto")}
+            "auto_fallback": first["auto"][1]["stopped"] or stats["auto"]["stopped"]}
 
 
 def main(argv=None) -> None:

@@ -48,7 +48,7 @@ class Optimized:
         if engine is None:
             stats = {**no_stats(), **super().step(prompts)}
             if self._watch is not None:  # auto measured the program slower than native: it said so
-                stats["auto"] = self._watch.verdict
+                stats["stopped"] = self._watch.verdict
             return stats
         if self._watch is None and getattr(engine, "timed", False):  # auto's plan in one process (schedules)
             self._watch = Watch(self.trainable)
@@ -72,7 +72,7 @@ class Optimized:
         stats.update(extra)
         self.graphs.update(runtime_graphs(engine))
         if watch is not None and watch.weigh(self.last_calls, extra["check_seconds"]) is not None:
-            stats["auto"] = watch.verdict
+            stats["stopped"] = watch.verdict
             warnings.warn(f"leancompile.optimize: {watch.verdict}", RuntimeWarning, stacklevel=2)
             self._engine = self._reference_engine = None
         return stats

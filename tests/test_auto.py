@@ -114,11 +114,11 @@ def test_auto_falls_back_to_native_where_the_program_measures_slower(monkeypatch
     native.step([1, 2])
     fell_back = [w for w in caught if "runs natively from the next step on" in str(w.message)]
     if falls_back:
-        assert "below the floor of 0.97x" in first["auto"] and second["auto"] == first["auto"]
+        assert "below the floor of 0.97x" in first["stopped"] and second["stopped"] == first["stopped"]
         assert len(fell_back) == 1 and optimized._engine is None
         assert second["served_calls"] == 0 and set(second) == set(first), (first, second)  # one schema
     else:
-        assert "auto" not in first and "auto" not in second and not fell_back
+        assert first["stopped"] is None and second["stopped"] is None and not fell_back
         assert second["served_calls"] > 0
     start = _weights(_trainer(config, **overrides))
     moved = _weights(native) - start

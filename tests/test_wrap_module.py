@@ -1,6 +1,7 @@
 """``leancompile.wrap`` on modules as frameworks hold and call them: the wrapped module stays the module, a call is
 its bound call, a forward assigned on it still runs through the engine, an output that is not one row-laid tensor
 is served through the submodule that computes its rows, and a loop that gains nothing is told so."""
+import copy
 import sys
 import types
 import warnings
@@ -221,7 +222,7 @@ def test_auto_measures_the_program_against_native_and_runs_natively_where_it_is_
     assert len(notes) == 1 and "runs natively from now on" in notes[0].reason
     stats = wrapped.stats()
     assert stats["served_calls"] == 1 and stats["recompute_reasons"] == {"freed": 1}, stats
-    assert "runs natively from now on" in stats["auto"]
+    assert "runs natively from now on" in stats["stopped"]
     grads = _update(wrapped, **inputs)
     leancompile.unwrap(wrapped)
     torch.testing.assert_close(grads, _update(module, **inputs), rtol=1e-10, atol=1e-12)
@@ -290,3 +291,28 @@ def test_per_block_reweight_under_a_head_computing_in_float32_is_served_exact_to
     assert stats["served_calls"] > 0 and stats["recomputed_calls"] == 0, stats
     # SD3's qk-norm computes in float32 whatever the module's dtype: Reweight's combination rounds there too
     torch.testing.assert_close(_grads(wrapped), expected, rtol=1e-5, atol=1e-5 * expected.abs().max())
+
+
+def test_rollouts_whose_update_serves_nothing_stop_being_kept_and_say_why():
+    """The update calls the module on other inputs than the rollout's (here shifted latents): after two rollouts
+    whose kept calls served nothing, nothing more is kept (the per-row program's time and the memory bought
+    nothing), the loop runs natively, and the statistics and a warning say why."""
+    module = torch.nn.Sequential(torch.nn.Linear(6, 12), torch.nn.GELU(), torch.nn.Linear(12, 6)).double()
+    native = copy.deepcopy(module)
+    wrapped = leancompile.wrap(module)
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (wrapped, native)]
+    x = torch.randn(4, 6, dtype=torch.float64)
+    with pytest.warns(leancompile.NothingServedWarning) as caught:
+        for _ in range(3):
+            for m, optimizer in zip((wrapped, native), optimizers):
+                with torch.no_grad():
+                    m(x)
+                m(x + 1).square().sum().backward()
+                optimizer.step()
+                optimizer.zero_grad()
+    assert any("served none of the calls kept in the last 2 rollouts" in str(w.message) for w in caught)
+    stats = wrapped.stats()
+    assert "inputs" in stats["stopped"] and stats["served_calls"] == 0
+    assert [r.action for r in wrapped.last_calls] == []  # the third rollout's call was not kept
+    for p, q in zip(wrapped.parameters(), native.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-12, atol=0)

@@ -51,8 +51,10 @@ HELD = ("retained_bytes", "buffer_bytes")
 
 def no_stats() -> dict:
     """The statistics of a step in which nothing went through an engine: every key of the schema, at zero (a module
-    run natively, auto's fallback, a refused framework), so that a loop reads the same keys whatever happened."""
-    return {**StepLog().stats(), **dict.fromkeys(HELD, 0), "check_seconds": 0.0}
+    run natively, auto's fallback, a refused framework), so that a loop reads the same keys whatever happened.
+    ``stopped``: why nothing is kept any more, where that was decided (auto measured native faster, or the update
+    served none of its rollouts' calls)."""
+    return {**StepLog().stats(), **dict.fromkeys(HELD, 0), "check_seconds": 0.0, "stopped": None}
 
 
 @dataclass

@@ -30,6 +30,9 @@ from .watch import FIXES, REGISTRATIONS, NothingServedError, NothingServedWarnin
 from .wrapped import RUNTIME, wrapped_class
 
 
+# Rollouts in a row whose kept calls served none of the update's, after which nothing more is kept
+BARREN_ROLLOUTS = 2
+
 # Calls made while an engine runs (its native calls, its traces) run the module itself, a wrapped submodule too.
 _INSIDE = [0]
 
@@ -46,6 +49,7 @@ class WrapRuntime:
         self.refused: dict[tuple, bool] = {}  # per call signature: whether the submodule serves such calls
         self.window: list[CallRecord] = []  # the calls since the last optimizer step over the module's weights
         self.served_ever = False
+        self.barren = 0  # rollouts in a row whose kept calls the update served none of (see _stop_keeping)
         self.warned: set[str] = set()
         self.watched = True  # by the optimizer-step watch (a submodule serving after a descent: by its parent's)
         self.refusal = framework_refusal(module)
@@ -201,8 +205,7 @@ class WrapRuntime:
             reasons = Counter(stats["recompute_reasons"]) + Counter(below["recompute_reasons"])
             stats = {k: stats.get(k, 0) + v for k, v in below.items() if isinstance(v, (int, float))}
             stats.update(recompute_reasons=dict(reasons), served_by=self.below[0])
-        if self.policy.stopped:
-            stats["auto"] = self.policy.stopped
+        stats["stopped"] = self.policy.stopped
         refused = [r for r in self.notes if r.action == "recomputed"]  # run natively by the wrapper (FSDP1)
         if refused:
             stats["recomputed_calls"] += len(refused)
@@ -227,6 +230,21 @@ class WrapRuntime:
             self.notes.append(CallRecord("native", 0, self.policy.stopped, "auto"))
             warnings.warn(f"leancompile.wrap: {self.policy.stopped}", NothingServedWarning, stacklevel=5)
 
+    def _stop_keeping(self, with_grad: list[CallRecord]) -> None:
+        """The calls kept in the last rollouts served none of the update's: keeping them costs the per-row program's
+        time and their memory for nothing, so nothing more is kept and the module runs natively, saying why."""
+        kind = Counter(r.kind for r in with_grad).most_common(1)[0][0]
+        reason = next(r.reason for r in with_grad if r.kind == kind)
+        self.policy.stop(f"the update served none of the calls kept in the last {self.barren} rollouts ({kind}: "
+                         f"{reason}; fix: {FIXES.get(kind, 'see last_calls')}): the module runs natively from now "
+                         "on")
+        self.engine.release(self.policy.stopped)
+        self.notes.append(CallRecord("native", 0, self.policy.stopped, "stopped"))
+        message = f"leancompile.wrap: {self.policy.stopped}"
+        if self.request.raises:
+            raise NothingServedError(message)
+        warnings.warn(message, NothingServedWarning, stacklevel=5)
+
     def stepped(self) -> None:
         """An optimizer step over the module's weights: warn once per cause where the calls with grad since the
         previous step were all recomputed (or none was seen while the weights have gradients)."""
@@ -237,10 +255,15 @@ class WrapRuntime:
         with_grad = [r for r in window if r.action in ("served", "recomputed")]
         served = sum(r.action == "served" for r in with_grad)
         self.served_ever |= served > 0
+        # a window without kept calls (the second optimizer step on one rollout) leaves the count as it is
+        self.barren = 0 if served else self.barren + any(r.action == "kept" for r in window)
         if served:
             self._weigh(window)
             return
-        if self.policy.stopped:  # auto chose native, and said so
+        if self.policy.stopped:  # auto chose native, or the rollouts' calls served nothing, and it said so
+            return
+        if with_grad and self.barren >= BARREN_ROLLOUTS:
+            self._stop_keeping(with_grad)
             return
         if not with_grad:
             if not any(p.grad is not None for p in self.trainable):
