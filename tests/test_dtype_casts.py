@@ -64,6 +64,20 @@ def test_flux_float32_timestep_is_served_from_a_bf16_rollout():
     torch.testing.assert_close(grads, expected, rtol=0.02, atol=0.02 * float(expected.abs().max()))
 
 
+def test_flux_float32_timestep_is_served_per_block():
+    """Per transformer block (FSDP2's way): the backbone call is verified with its arguments cast, the module's
+    forward traced on fake weights; each block is then served the kept block call of those rows."""
+    module, inputs = _flux()
+    timestep, guidance = torch.tensor([0.3, 0.75]), torch.tensor([3.5, 3.5])
+    wrapped = leancompile.wrap(module, per_block=True)
+    with torch.no_grad():
+        wrapped(**inputs, timestep=timestep.bfloat16(), guidance=guidance.bfloat16(), return_dict=False)
+    grads = _update(wrapped, **inputs, timestep=timestep, guidance=guidance)
+    stats = wrapped.stats()
+    assert stats["served_calls"] == 4 and stats["recomputed_calls"] == 0, wrapped.last_calls
+    assert torch.equal(grads, _update(wrapped, **inputs, timestep=timestep.bfloat16(), guidance=guidance.bfloat16()))
+
+
 def test_flux_timestep_that_casts_to_another_bf16_value_recomputes():
     module, inputs = _flux()
     wrapped = leancompile.wrap(module)

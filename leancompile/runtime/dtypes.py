@@ -26,49 +26,55 @@ Traced = Callable[[Call], "tuple[fx.GraphModule, fx.GraphModule | None]"]
 
 
 def through_casts(call: Call, store: KeptCalls, traced: Traced, lookup: Callable[[Call], Found],
-                  shared: frozenset[str]) -> Found | None:
+                  shared: frozenset[str]) -> tuple[Found, Call | None] | None:
     """``call`` looked up (``lookup``) with its arguments cast to the dtypes of the latest kept call that differs
     from it in those arguments' dtypes alone, where the module reads each only through a cast to that dtype and
-    otherwise computes the same; else why not. None: no kept call differs from it so (nor is it a block's call,
-    identified by its backbone call's rows)."""
+    otherwise computes the same, and the call so cast; else why not (and None). None: no kept call differs from it
+    so (nor is it a block's call, identified by its backbone call's rows)."""
     dtypes = store.dtype_variant(call.signature()) if call.verified_rows is None else None
     if dtypes is None:
         return None
     paths = argument_paths(call.spec)
     differing = ", ".join(f"argument {paths[i]} has dtype {call.leaves[i].dtype}, the kept call's {dtype}"
                           for i, dtype in dtypes.items())
+    cast = _cast(call, dtypes, traced, shared, paths)
+    if isinstance(cast, str):
+        return Found(None, f"{differing}{cast}", "inputs"), None
+    found = lookup(cast)
+    if found.match is None:
+        return Found(None, f"{differing}; the module reads them only through casts to those dtypes, and the values "
+                           f"cast so match no kept call's: {found.reason}", found.kind), None
+    return found, cast
+
+
+def _cast(call: Call, dtypes: dict[int, torch.dtype], traced: Traced, shared: frozenset[str],
+          paths: list[str]) -> Call | str:
+    """``call`` with the arguments at leaf positions ``dtypes`` cast to those dtypes, where the module reads them
+    only so and otherwise computes the same; else why not (to follow the arguments' dtypes in a reason)."""
     try:
         forward, backward = traced(call)
     except Exception as error:  # what does not trace cannot be shown to read its arguments through casts
-        return Found(None, f"{differing}, and the module does not trace ({type(error).__name__}: {error})", "inputs")
+        return f", and the module does not trace ({type(error).__name__}: {error})"
     placeholders = list(forward.graph.find_nodes(op="placeholder"))
     inputs = {leaf: len(placeholders) - len(call.tensors) + position
               for position, (leaf, _) in enumerate(_tensor_leaves(call))}  # each argument's placeholder
     for leaf, dtype in dtypes.items():
         if call.leaves[leaf].requires_grad:
-            return Found(None, f"{differing}, and {paths[leaf]} requires grad: a served call returns no gradient "
-                               "through a cast", "inputs")
+            return f", and {paths[leaf]} requires grad: a served call returns no gradient through a cast"
         reads = cast_reads(forward, placeholders[inputs[leaf]], backward)
         if not reads.cast_only or reads.dtype not in (None, dtype):
             why = reads.other or f"it is cast to {reads.dtype}"
-            return Found(None, f"{differing}, and the module reads {paths[leaf]} other than through a cast to "
-                               f"{dtype}: {why}", "inputs")
+            return f", and the module reads {paths[leaf]} other than through a cast to {dtype}: {why}"
     cast = Call.of(*call.with_tensors(t.detach().to(dtypes[leaf]) if leaf in dtypes else t
                                       for leaf, t in _tensor_leaves(call)), shared)
     try:
-        plain, _ = traced(cast)
-        same = same_after_casts(forward, plain, [inputs[leaf] for leaf in dtypes])
+        same = same_after_casts(forward, traced(cast)[0], [inputs[leaf] for leaf in dtypes])
     except Exception as error:
-        return Found(None, f"{differing}, and the module does not trace with them cast ({type(error).__name__}: "
-                           f"{error})", "inputs")
+        return f", and the module does not trace with them cast ({type(error).__name__}: {error})"
     if not same:
-        return Found(None, f"{differing}; the module reads them only through casts to the kept dtypes, but computes "
-                           "otherwise with them cast (it reads their dtype elsewhere)", "inputs")
-    found = lookup(cast)
-    if found.match is None:
-        return Found(None, f"{differing}; the module reads them only through casts to those dtypes, and the values "
-                           f"cast so match no kept call's: {found.reason}", found.kind)
-    return found
+        return ("; the module reads them only through casts to the kept dtypes, but computes otherwise with them "
+                "cast (it reads their dtype elsewhere)")
+    return cast
 
 
 def _tensor_leaves(call: Call):

@@ -255,7 +255,7 @@ class ReuseEngine:
             return found
         cast = through_casts(call, self.store, self._graphs, lambda c: self._lookup(c, row_keys(c.identity_rows)),
                              self.shared)
-        return found if cast is None else cast
+        return found if cast is None else cast[0]
 
     def _graphs(self, call: Call) -> tuple:
         """The forward and backward of ``call``'s one-row program (compiled now if it is not yet: not a check's
