@@ -137,8 +137,8 @@ def test_an_argument_read_other_than_through_a_cast_recomputes_and_says_why():
     wrapped(x, t).float().sum().backward()
     [record] = _recomputed(wrapped)
     assert record.kind == "inputs", record
-    assert ("argument kwargs['t'] has dtype torch.float32, the kept call's torch.bfloat16, and the module reads kwargs['t'] "
-            "other than through a cast to torch.bfloat16: mul.Tensor reads it") in record.reason, record.reason
+    assert ("argument kwargs['t'] has dtype torch.float32, the kept call's torch.bfloat16, and the module reads "
+            "kwargs['t'] other than through a cast to torch.bfloat16: mul.Tensor reads it") in record.reason, record.reason
 
 
 def _traced(fn, *args, mode="real"):
