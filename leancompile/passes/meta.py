@@ -14,6 +14,7 @@ MATMUL_ORDER = "leancompile.matmul_order"  # mm / bmm -> ProductTiming: seconds 
 LINEARITY = "leancompile.linearity"  # Linear, on update nodes that depend on the advantages
 PROVISIONAL = "leancompile.provisional"  # Provisional: the part of Reweight's rollout the node belongs to
 PARAMETER = "leancompile.parameter"  # a provisional gradient output -> the name of its weight
+CASTS = "leancompile.casts"  # a data placeholder -> CastReads: read only through casts to one dtype, or why not
 
 
 class Rewrite(str, enum.Enum):

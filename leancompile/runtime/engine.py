@@ -27,6 +27,7 @@ import torch
 
 from .calls import Call, output_layout
 from ..plan import VALUES
+from .dtypes import through_casts
 from .identity import StateReader, row_keys
 from .policy import KeepPolicy, StepPolicy
 from .rowwise import RowwiseBackbone
@@ -147,7 +148,7 @@ class ReuseEngine:
         if torch.is_grad_enabled() and self._leaves is None:
             self.policy.closed(self)
         keys = row_keys(call.identity_rows) if self.store or self._leaves is not None else None
-        found = self._lookup(call, keys)
+        found = self._looked_up(call, keys)
         match = found.match
         self.check_seconds += time.perf_counter() - start
         if match is not None and self._leaves is not None and torch.is_grad_enabled():
@@ -250,6 +251,26 @@ class ReuseEngine:
         heads = self._leaves is not None
         return self.store.lookup(call, keys, self._modes_agree, self._available,
                                  (lambda kept, row: self._answered.add((id(kept), row))) if heads else None)
+
+    def _looked_up(self, call: Call, keys) -> Found:
+        """The call's lookup; where no kept row has its rows and a kept call differs from it in some arguments'
+        dtypes alone, the call with them cast to the kept dtypes, where the module reads them only so (.dtypes)."""
+        found = self._lookup(call, keys)
+        if found.match is not None or found.kind != "inputs":
+            return found
+        cast = through_casts(call, self.store, self._graphs, lambda c: self._lookup(c, row_keys(c.identity_rows)),
+                             self.shared)
+        return found if cast is None else cast[0]
+
+    def _graphs(self, call: Call) -> tuple:
+        """The forward and backward of ``call``'s one-row program (compiled now if it is not yet: not a check's
+        cost)."""
+        start = time.perf_counter()
+        program = self.rowwise[1.0].program(self.reader.read(call).compile_key, call)
+        self.check_seconds -= time.perf_counter() - start
+        if program.forward is None:
+            raise RuntimeError(program.refusal)
+        return program.forward, program.backward
 
     def _available(self, kept: KeptCall, row: int) -> bool:
         return self.schedule_runtime.available(kept, row) and (id(kept), row) not in self._answered

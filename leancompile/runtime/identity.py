@@ -267,18 +267,35 @@ def first_difference(kept: tuple, now: tuple) -> str:
     how: its dtype, its shape, its device or its value (a constant)."""
     (kept_spec, kept_leaves), (spec, leaves) = kept, now
     if kept_spec != spec:
-        names, kept_names = set(_paths(spec)), set(_paths(kept_spec))
+        names, kept_names = set(argument_paths(spec)), set(argument_paths(kept_spec))
         return (", ".join(sorted(names ^ kept_names)) or "tree") + " passed in one call and not in the other"
     i = next((i for i, (a, b) in enumerate(zip(kept_leaves, leaves)) if a != b), 0)
     mine, theirs = leaves[i], kept_leaves[i]
     if isinstance(mine, tuple) and isinstance(theirs, tuple) and len(mine) == len(theirs) == 4:
         what = next(n for n, a, b in zip(("shape", "dtype", "device", "rows"), mine, theirs) if a != b)
         index = ("shape", "dtype", "device", "rows").index(what)
-        return f"{_paths(spec)[i]} has {what} {mine[index]}, the kept call's {theirs[index]}"
-    return f"{_paths(spec)[i]} is {mine!r}, the kept call's {theirs!r}"
+        return f"{argument_paths(spec)[i]} has {what} {mine[index]}, the kept call's {theirs[index]}"
+    return f"{argument_paths(spec)[i]} is {mine!r}, the kept call's {theirs!r}"
 
 
-def _paths(spec) -> list[str]:
+def dtype_differences(kept: tuple, now: tuple) -> dict[int, torch.dtype] | None:
+    """Where two calls' signatures (see Call.signature) differ in some tensor arguments' dtypes and in nothing
+    else: those arguments' leaf positions, each with the kept call's dtype (None: they differ otherwise, or not)."""
+    (kept_spec, kept_leaves), (spec, leaves) = kept, now
+    if kept_spec != spec:
+        return None
+    differences = {}
+    for i, (theirs, mine) in enumerate(zip(kept_leaves, leaves)):
+        if theirs == mine:
+            continue
+        if not (isinstance(mine, tuple) and isinstance(theirs, tuple) and len(mine) == len(theirs) == 4
+                and (mine[0], *mine[2:]) == (theirs[0], *theirs[2:])):
+            return None
+        differences[i] = theirs[1]
+    return differences or None
+
+
+def argument_paths(spec) -> list[str]:
     """Each leaf's path in a call's ``(args, kwargs)`` tree, as ``kwargs['name']`` or ``args[0]``."""
     tree = pytree.tree_unflatten(list(range(spec.num_leaves)), spec)
     flat = pytree.tree_flatten_with_path(tree)[0]

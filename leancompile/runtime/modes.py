@@ -34,7 +34,7 @@ class ModeProof:
         pair = (kept.compile_key, state.compile_key)
         if pair not in self._modes:
             try:
-                theirs, mine = (self._traced_in(s, call) for s in (kept, state))
+                theirs, mine = (self.traced(s, call) for s in (kept, state))
             except Exception as error:  # what does not trace cannot be shown to compute the same
                 self._modes[pair] = (f"the module's forward does not trace in both training modes "
                                      f"({type(error).__name__}: {error}), so it cannot be shown to compute the same")
@@ -43,7 +43,7 @@ class ModeProof:
                     theirs, mine, kept.explain(state, self.reader))
         return self._modes[pair]
 
-    def _traced_in(self, state: CallState, call: Call) -> torch.fx.GraphModule:
+    def traced(self, state: CallState, call: Call) -> torch.fx.GraphModule:
         """The module's forward on one row of ``call`` with every submodule's training flag as in ``state`` (read
         in ``named_modules()`` order, as StateReader reads them), traced on a hook-free copy with fake weights;
         each node's meta names the submodule it ran in (``custom["module"]``)."""

@@ -39,6 +39,7 @@ from ..backbones.plain import fully_sharded, plain_copy
 from ..passes.pipeline import PassHistory
 from ..plan import VALUES, StepAction
 from .calls import Call, bound, named_forward, output_layout
+from .dtypes import through_casts
 from .engine import HELD, ReuseEngine, StepLog, Verified, no_stats
 from .identity import StateReader, row_keys
 from .modes import ModeProof
@@ -47,7 +48,7 @@ from .reweight import LowestPrecision, coarsest
 from .reweight_blocks import BlockProvisional, Heads
 from .rowwise import RowwiseBackbone
 from .schedule_runtime import ScheduleRuntime
-from .store import KeptCall, KeptCalls
+from .store import Found, KeptCall, KeptCalls
 
 
 _IDLE = Verified(None, "no backbone call is running", "arguments")
@@ -177,18 +178,29 @@ class RegionalEngine:
             self._free_blocks()
         if directive.keep is not None:
             return self._keep(call, state, directive.made), directive.keep
-        found = self.store.lookup(call, row_keys(call.row_inputs), self._modes_agree, state=state)
+        found, rows = self._lookup(call, state), call.row_inputs
+        if found.match is None and found.kind == "inputs":
+            # arguments in another dtype than the kept call's, read only through a cast to it (see .dtypes): the
+            # kept call's rows identify the blocks' calls
+            cast = through_casts(call, self.store, lambda c: (self._modes.traced(self.reader.read(c), c), None),
+                                 lambda c: self._lookup(c, self.reader.read(c)), self.call_shared)
+            if cast is not None:
+                found, rows = cast[0], (cast[1] or call).row_inputs
         if found.match is not None:
             if not torch.is_grad_enabled():
-                return Verified(call.row_inputs), None
+                return Verified(rows), None
             context, refusal = self.schedule_runtime.block_context(found, self._precision)
             if refusal is not None:
                 return Verified(None, refusal, "inputs"), None
-            return Verified(call.row_inputs, context=context), None
+            return Verified(rows, context=context), None
         action = None if torch.is_grad_enabled() else self.policy.unmatched(call, self)
         if action is None:
             return Verified(None, found.reason, found.kind), None
         return self._keep(call, state), action
+
+    def _lookup(self, call: Call, state) -> Found:
+        """The kept backbone call's rows that have ``call``'s rows in its ``state``, or why none."""
+        return self.store.lookup(call, row_keys(call.row_inputs), self._modes_agree, state=state)
 
     def _modes_agree(self, kept: KeptCall, state, call: Call) -> str | None:
         """Why the module computes differently in the call's training modes than in the kept call's (None: the

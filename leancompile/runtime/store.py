@@ -18,7 +18,8 @@ from dataclasses import dataclass
 import torch
 
 from .calls import Call, OutputLayout, row_input_names
-from .identity import DIFFERENCES, TRAINING_FLAGS, CallState, StateReader, first_difference, row_keys
+from .identity import (DIFFERENCES, TRAINING_FLAGS, CallState, StateReader, dtype_differences, first_difference,
+                       row_keys)
 
 
 @dataclass
@@ -192,6 +193,14 @@ class KeptCalls:
             return None
         differences.setdefault(difference, why)
         return difference
+
+    def dtype_variant(self, signature: tuple) -> dict[int, torch.dtype] | None:
+        """Where the latest kept call whose signature differs from ``signature`` in tensor arguments' dtypes alone
+        is found: those arguments' leaf positions, each with the kept call's dtype (None: no kept call differs so)."""
+        for kept in dict.fromkeys(k.state.signature for k in reversed(self.calls)):
+            if (differences := dtype_differences(kept, signature)) is not None:
+                return differences
+        return None
 
     def empty(self) -> tuple[str, str]:
         """Why nothing matches while nothing is kept (reason, kind)."""
