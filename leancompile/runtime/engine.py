@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .calls import Call, output_layout
 from ..plan import VALUES
+from .calls import Call, output_layout
 from .dtypes import through_casts
 from .identity import StateReader, row_keys
 from .policy import KeepPolicy, StepPolicy
