@@ -14,7 +14,8 @@ the same autocast):
 - ``native``: the update as written (strided views);
 - ``native, laid out as the rollout``: the same update on the rollout's own contiguous tensors, same batch (what
   native would compute if it reproduced its rollout's layout): native's own rounding noise against ``native``;
-- ``served``: the module wrapped with ``leancompile.wrap``; every update call is served from its rollout call.
+- ``served``: the module wrapped with ``leancompile.wrap``; every update call is served from its rollout call;
+- ``served, bitwise=True``: wrapped with ``leancompile.wrap(module, bitwise=True)``.
 
 For each: the first optimizer step's importance ratio ``exp(logp - logp_old)`` (max and mean of ``|ratio - 1|``
 over samples and steps, and the fraction clipped, i.e. ``|ratio - 1| > clip range``), and the gradient's relative
@@ -38,8 +39,10 @@ from leancompile.trainers.sampling import flow_sde_step, shifted_sigmas
 
 from .cases import backbone_sizes
 
-RUNS = ("native", "contiguous", "served")
-RUN_NAMES = {"native": "native", "contiguous": "native, laid out as the rollout", "served": "served"}
+RUNS = ("native", "contiguous", "served", "bitwise")
+RUN_NAMES = {"native": "native", "contiguous": "native, laid out as the rollout", "served": "served",
+             "bitwise": "served, bitwise=True"}
+SERVED = ("served", "bitwise")
 
 
 @dataclass(frozen=True)
@@ -154,7 +157,7 @@ def measure(setup: Setup) -> dict:
     figures = {}
     for run in RUNS:
         module = copy.deepcopy(model)
-        transformer = leancompile.wrap(module) if run == "served" else module
+        transformer = leancompile.wrap(module, bitwise=run == "bitwise") if run in SERVED else module
         loop = FlowGRPOFlux(setup, transformer, base, (conditioning.text, conditioning.pooled))
         loop.generator = torch.Generator().manual_seed(setup.seed + 2)
         rows = setup.prompts * setup.group
@@ -168,11 +171,12 @@ def measure(setup: Setup) -> dict:
         figures[run] = dict(trajectory=stacked.cpu(), max_deviation=float(deviation.max()),
                             mean_deviation=float(deviation.mean()),
                             clipped=float((deviation > setup.clip_range).double().mean()), grad=grad)
-        if run == "served":
+        if run in SERVED:
             stats = transformer.stats()
             figures[run].update(served_calls=stats["served_calls"], recomputed_calls=stats["recomputed_calls"],
                                 update_calls=setup.num_steps)
-    for a, b in (("native", "contiguous"), ("served", "native"), ("served", "contiguous")):
+    for a, b in (("native", "contiguous"), ("served", "native"), ("served", "contiguous"), ("bitwise", "native"),
+                 ("bitwise", "contiguous")):
         ga, gb = figures[a]["grad"], figures[b]["grad"]
         figures[f"{a}~{b}"] = dict(relative=float((ga - gb).norm() / gb.norm()),
                                    cosine=float(torch.nn.functional.cosine_similarity(ga, gb, dim=0)))
@@ -183,13 +187,13 @@ def markdown(rows: list[tuple[str, dict]]) -> str:
     lines = ["| weights | run | max abs(ratio - 1) | mean abs(ratio - 1) | clipped at 1e-5 | gradient vs native "
              "(rel. diff, cosine) | gradient vs native laid out as the rollout (rel. diff, cosine) |",
              "|---|---|---|---|---|---|---|"]
+    cell = "{relative:.2e}, {cosine:.6f}".format
     for weights, f in rows:
         for run in RUNS:
-            vs_native = "-" if run == "native" else (
-                "{relative:.2e}, {cosine:.6f}".format(**f[f"{run}~native" if run == "served" else "native~contiguous"]))
-            vs_contiguous = {"native": "{relative:.2e}, {cosine:.6f}".format(**f["native~contiguous"]),
-                             "contiguous": "-",
-                             "served": "{relative:.2e}, {cosine:.6f}".format(**f["served~contiguous"])}[run]
+            to_native = "native~contiguous" if run == "contiguous" else f"{run}~native"
+            to_contiguous = "native~contiguous" if run == "native" else f"{run}~contiguous"
+            vs_native = "-" if run == "native" else cell(**f[to_native])
+            vs_contiguous = "-" if run == "contiguous" else cell(**f[to_contiguous])
             r = f[run]
             lines.append(f"| {weights} | {RUN_NAMES[run]} | {r['max_deviation']:.2e} | {r['mean_deviation']:.2e} | "
                          f"{r['clipped']:.1%} | {vs_native} | {vs_contiguous} |")
@@ -209,9 +213,10 @@ def main(argv=None) -> int:
     for weights in ("bf16", "fp32"):
         setup = Setup(sizes=sizes, weights=weights, device=args.device)
         figures = measure(setup)
-        served = figures["served"]
-        print(f"{weights} weights: {served['served_calls']} of {served['update_calls']} update calls served, "
-              f"{served['recomputed_calls']} recomputed", file=sys.stderr)
+        for run in SERVED:
+            served = figures[run]
+            print(f"{weights} weights, {RUN_NAMES[run]}: {served['served_calls']} of {served['update_calls']} update "
+                  f"calls served, {served['recomputed_calls']} recomputed", file=sys.stderr)
         rows.append((weights, figures))
     print(f"FlowGRPO-FLUX-style bf16 loop on {args.device} ({'tiny' if args.tiny else 'benchmark'} Flux, LoRA rank "
           f"{setup.lora_rank}, {setup.prompts} prompts x {setup.group} samples, {setup.num_steps} steps trained, "

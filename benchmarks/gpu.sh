@@ -2,9 +2,10 @@
 # On one CUDA GPU: the CUDA tests (tests/test_cuda.py: every schedule and the drop-in loops exact on the device),
 # then the benchmark at GPU sizes (hidden 1024, 1024 image tokens; benchmarks/cases.py) under bf16 autocast, with the
 # allocator's peak per program and the live device in the planner (auto plans against its free memory), and the
-# drop-in loops. Arguments go to the benchmark (e.g. --tunings lora full --loops). Each part has a time limit
-# (TEST_SECONDS, BENCH_SECONDS; by default the two fit in about 10 minutes) so that a slow one still leaves the
-# other's results; the tests stop with SIGINT, so pytest still prints the failures it has. Where there is no CUDA it
+# drop-in loops; then the bf16 equivalence of a FlowGRPO-FLUX-style loop under CUDA autocast
+# (benchmarks/bf16_equivalence.py: importance ratios, clipped fraction, gradients served against native). Arguments
+# go to the benchmark (e.g. --tunings lora full --loops). Each part has a time limit (TEST_SECONDS, BENCH_SECONDS,
+# BF16_SECONDS; by default the three fit in about 11 minutes) so that a slow one still leaves the others' results; the tests stop with SIGINT, so pytest still prints the failures it has. Where there is no CUDA it
 # says so and exits 0.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -27,5 +28,7 @@ tests=${PIPESTATUS[0]}
 timeout -s INT "${BENCH_SECONDS:-360}" "$PY" -m benchmarks --device cuda --precision bf16 --repetitions 5 \
     --min-seconds 1 --equivalence-steps 0 --out "$OUT_DIR" "$@" 2>&1 | tee "$OUT_DIR/bench.log"
 bench=${PIPESTATUS[0]}
-echo "benchmarks/gpu.sh: tests exit $tests, benchmark exit $bench"
-[ "$tests" -eq 0 ] && [ "$bench" -eq 0 ]
+timeout -s INT "${BF16_SECONDS:-90}" "$PY" -m benchmarks.bf16_equivalence --device cuda 2>&1 | tee "$OUT_DIR/bf16.log"
+bf16=${PIPESTATUS[0]}
+echo "benchmarks/gpu.sh: tests exit $tests, benchmark exit $bench, bf16 equivalence exit $bf16"
+[ "$tests" -eq 0 ] && [ "$bench" -eq 0 ] && [ "$bf16" -eq 0 ]

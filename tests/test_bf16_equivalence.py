@@ -13,7 +13,8 @@ Figures on the tiny Flux (LoRA rank 4, 2 prompts x 4 samples, 4 steps trained; 2
 max abs(ratio - 1) 4.5e-4 (mean 8.3e-5), 91% of the (sample, step) ratios clipped; served and native laid out as the
 rollout: 0 and 0%. Gradients: native against native laid out as the rollout, relative difference 0.81 and cosine
 0.595 (native's own layout noise, through the samples it clips); served against native laid out as the rollout,
-2.7e-3 and 0.999996; served against native, cosine 0.596. On the CPU, float32 weights under bf16 autocast compute
+2.7e-3 and 0.999996; served against native, cosine 0.596. Wrapped with ``bitwise=True`` every update call is
+served too, the ratio exactly 1, and the gradient is bitwise native's laid out as the rollout. On the CPU, float32 weights under bf16 autocast compute
 bitwise what bf16 weights compute (autocast casts the weights to bf16, the LoRA adapters are float32 in both). The
 bounds below keep a wide margin on those figures.
 """
@@ -22,14 +23,14 @@ import functools
 import pytest
 import torch
 
-from benchmarks.bf16_equivalence import Setup, measure
+from benchmarks.bf16_equivalence import RUNS, Setup, measure
 
 
 @functools.lru_cache(maxsize=None)
 def _figures(weights: str) -> dict:
     figures = measure(Setup(weights=weights))
     print(f"\n{weights} weights:", {run: {k: v for k, v in figures[run].items() if k not in ("grad", "trajectory")}
-                                     for run in ("native", "contiguous", "served")},
+                                     for run in RUNS},
           {k: v for k, v in figures.items() if "~" in k})
     return figures
 
@@ -37,11 +38,14 @@ def _figures(weights: str) -> dict:
 def _check(figures: dict, setup: Setup = Setup()):
     native, contiguous, served = figures["native"], figures["contiguous"], figures["served"]
     # one rollout: the wrapped module's kept calls return native's bits
-    assert torch.equal(native["trajectory"], served["trajectory"])
-    assert torch.equal(native["trajectory"], contiguous["trajectory"])
+    assert all(torch.equal(native["trajectory"], figures[run]["trajectory"]) for run in RUNS)
     # every update call served, and on-policy exactly
-    assert served["served_calls"] == setup.num_steps and served["recomputed_calls"] == 0, served
-    assert served["max_deviation"] == 0.0 and served["clipped"] == 0.0
+    for run in ("served", "bitwise"):
+        r = figures[run]
+        assert r["served_calls"] == setup.num_steps and r["recomputed_calls"] == 0, (run, r)
+        assert r["max_deviation"] == 0.0 and r["clipped"] == 0.0, (run, r)
+    # bitwise=True serves the gradient native computes laid out as its rollout, bit for bit: not native's own
+    assert torch.equal(figures["bitwise"]["grad"], contiguous["grad"])
     # native laid out as its rollout reproduces it; read through strided views it does not, and clips
     assert contiguous["max_deviation"] == 0.0
     assert native["max_deviation"] > 10 * setup.clip_range, native["max_deviation"]
@@ -64,5 +68,5 @@ def test_bf16_weights_served_ratio_is_one_native_clips():
 def test_float32_weights_under_bf16_autocast_compute_what_bf16_weights_compute():
     figures = _figures("fp32")
     _check(figures)
-    for run in ("native", "contiguous", "served"):
+    for run in RUNS:
         assert torch.equal(figures[run]["grad"], _figures("bf16")[run]["grad"]), run
