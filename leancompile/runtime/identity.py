@@ -177,7 +177,9 @@ class StateReader:
         if count != self._hook_count:
             self._hook_count = count
             self._hooked = [entry for entry in self._hook_dicts if entry[2]]
-        return tuple((i, what, tuple(hooks)) for i, what, hooks in self._hooked)
+        held = ((i, what, tuple(k for k, hook in hooks.items() if not _sharding_hook(hook)))
+                for i, what, hooks in self._hooked)
+        return tuple(entry for entry in held if entry[2])
 
     def versions(self) -> tuple[int, ...]:
         """The version counters of every parameter and buffer (and what they are copies of)."""
@@ -246,6 +248,13 @@ def _explain_modules(kept: tuple, now: tuple, reader: "StateReader") -> str:
         return f"{reader.tensor_names[i]} is {dtypes_now[i]}, in the kept call {dtypes[i]}"
     name = _first(reader.parameter_names, grads, grads_now)
     return f"parameter {name} requires grad unlike in the kept call"
+
+
+def _sharding_hook(hook) -> bool:
+    """Whether ``hook`` is FSDP's own (a method of its state): it gathers and frees the weights around a call and
+    is set aside while the per-block engine answers blocks with kept outputs (runtime.regional), which changes
+    nothing a call computes."""
+    return type(getattr(hook, "__self__", None)).__module__.startswith("torch.distributed.fsdp")
 
 
 def _reads_its_flag(module: torch.nn.Module) -> bool:
