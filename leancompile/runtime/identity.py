@@ -38,8 +38,11 @@ _DTYPE = operator.attrgetter("dtype")
 # as tuples, since the module may change them in place: peft's ``scaling[adapter] = s``, ``merged_adapters.append``)
 _PLAIN = (bool, int, float, str, type(None))
 # torch's own per-module attributes: the training flag (compared apart), the tensors, submodules and hooks (their
-# dictionaries), moved by what is compared elsewhere (a backward hook's registration)
-_NOT_ATTRIBUTES = frozenset(torch.nn.Module().__dict__)
+# dictionaries), moved by what is compared elsewhere (a backward hook's registration); and the gradient
+# checkpointing flag of transformers and diffusers models, which changes how a backward gets the forward's saved
+# tensors (recomputed from the same inputs and weights), not what a call computes: TRL's and the diffusion scripts'
+# rollouts run with it off and their updates with it on
+_NOT_ATTRIBUTES = frozenset({*torch.nn.Module().__dict__, "gradient_checkpointing"})
 # The hook dictionaries of a module, and torch's global ones (every module's), with what each is called in a reason
 _HOOKS = (("_forward_hooks", "forward hook"), ("_forward_pre_hooks", "forward pre-hook"),
           ("_backward_hooks", "backward hook"), ("_backward_pre_hooks", "backward pre-hook"))

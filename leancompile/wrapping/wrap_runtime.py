@@ -27,7 +27,7 @@ from ..runtime.regional import RegionalEngine, transformer_blocks
 from ..runtime.rowwise import RowwiseBackbone
 from ..schedules import SCHEDULES
 from .watch import FIXES, REGISTRATIONS, NothingServedError, NothingServedWarning, watch
-from .wrapped import RUNTIME, wrapped_class
+from .wrapped import RUNTIME, untraced, wrapped_class
 
 
 # Rollouts in a row whose kept calls served none of the update's, after which nothing more is kept
@@ -333,6 +333,7 @@ def attach(module: torch.nn.Module, request: Request) -> WrapRuntime:
     """Route ``module``'s calls through a runtime for ``request``: its class put behind :class:`Wrapped`, the
     runtime in its ``__dict__``, the module watched at optimizer steps."""
     runtime = WrapRuntime(module, request)  # refuses bad settings before the module changes
+    untraced()
     module.__class__ = wrapped_class(type(module))
     module.__dict__[RUNTIME] = runtime
     watch(module)

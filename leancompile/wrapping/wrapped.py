@@ -18,10 +18,10 @@ class Wrapped(torch.nn.Module):
     module stays itself (``isinstance``, ``state_dict()`` keys, ``save_pretrained``, peft's methods, a ``forward``
     assigned on it), and every call of it goes through the reuse engine."""
 
-    @torch.compiler.disable(recursive=True)
     def __call__(self, *args, **kwargs):
-        """Run by the engine, never traced by dynamo: ``torch.compile(module)`` wrapped before or after calls the
-        module through here, and its calls are kept and served as the module's own (their native runs eager)."""
+        """Run by the engine, never traced by dynamo (:func:`untraced`): ``torch.compile(module)`` wrapped before
+        or after calls the module through here, and its calls are kept and served as the module's own (their
+        native runs eager)."""
         return self.__dict__[RUNTIME](self, args, kwargs)
 
     def provisional(self, head: Callable[[float], torch.Tensor]) -> None:
@@ -70,6 +70,13 @@ class Wrapped(torch.nn.Module):
 
 
 _CLASSES: dict[type, type] = {}
+
+
+@functools.cache
+def untraced() -> None:
+    """Keep dynamo out of :meth:`Wrapped.__call__`, at the first wrap: ``torch.compiler.disable`` imports
+    torch._dynamo (most of a second), which ``import leancompile`` does not."""
+    Wrapped.__call__ = torch.compiler.disable(Wrapped.__call__, recursive=True)
 
 
 def wrapped_class(cls: type) -> type:
