@@ -1,16 +1,18 @@
 """FSDP1 (``FullyShardedDataParallel``) in DanceGRPO's ``train_grpo_flux.py`` setting, on two gloo ranks: FULL_SHARD
-with an auto-wrap policy per Flux block, ``use_orig_params=True``, non-reentrant activation checkpointing on every
+(and SHARD_GRAD_OP) with an auto-wrap policy per Flux block, ``use_orig_params=True``, non-reentrant activation checkpointing on every
 block, the rollout in ``eval()`` under ``no_grad`` one sample per call, the update in ``train()``, FSDP's
 ``clip_grad_norm_`` and two optimizer steps per rollout. ``leancompile.wrap`` of the FSDP1 root serves it per
 block: each block's forward inside its unit is routed to the block's engine while FSDP1's own forward gathers and
 frees around it. The weights after two GRPO steps are FSDP1 alone's to float64 rounding, every update call before
 a rollout's first optimizer step is served, and FSDP1 runs as many all-gathers and reduce-scatters per optimizer step
-as natively. Settings not served yet (``use_orig_params=False``, SHARD_GRAD_OP, wrapped before FSDP1) run natively,
-exactly, and say why."""
+as natively. Settings not served yet (``use_orig_params=False``, wrapped before FSDP1) run natively, exactly, and
+say why. FSDP1's ``clip_grad_norm_`` computes its local norm in float32, which fails on float64 sharded gradients
+(torch 2.13): the workers compute it in the gradients' dtype."""
 import functools
 import os
 import warnings
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -158,8 +160,9 @@ def _close(change, native):
     return float((change - native).norm() / native.norm()) <= 1e-10
 
 
-def test_fsdp1_full_shard_with_original_parameters_is_served_per_block(tmp_path):
-    cases = [("native", None, {}), ("wrapped", "after", {})]
+@pytest.mark.parametrize("strategy", ["FULL_SHARD", "SHARD_GRAD_OP"])
+def test_fsdp1_with_original_parameters_is_served_per_block(tmp_path, strategy):
+    cases = [("native", None, {"strategy": strategy}), ("wrapped", "after", {"strategy": strategy})]
     for rank in spawn_ranks(_worker, WORLD, tmp_path, cases):
         native, wrapped = rank["native"], rank["wrapped"]
         assert native["change"].norm() > 0
@@ -177,3 +180,17 @@ def test_fsdp1_full_shard_with_original_parameters_is_served_per_block(tmp_path)
             assert all(action == ("served" if i % 2 == 0 else "recomputed") for action, _ in window), (i, window)
             assert i % 2 == 0 or {kind for _, kind in window} == {"weights"}, (i, window)
         assert wrapped["stats"]["served_calls"] == sum(len(w) for w in windows[::2])
+
+
+def test_fsdp1_settings_not_served_yet_run_natively_and_say_why(tmp_path):
+    cases = [("native", None, {}), ("before", "before", {}),
+             ("native flat", None, {"use_orig_params": False}), ("flat", "after", {"use_orig_params": False})]
+    reasons = {"before": "wrap after FSDP1", "flat": "use_orig_params=False"}
+    for rank in spawn_ranks(_worker, WORLD, tmp_path, cases):
+        for case, native in (("before", "native"), ("flat", "native flat")):
+            wrapped, native = rank[case], rank[native]
+            assert not wrapped["per_block"] or wrapped["stats"]["served_calls"] == 0
+            assert wrapped["change"].equal(native["change"]), case  # natively: bitwise FSDP1's
+            assert wrapped["collectives"] == native["collectives"]
+            assert wrapped["told"] and all(reasons[case] in told for told in wrapped["told"]), wrapped["told"]
+            assert set(wrapped["stats"]["recompute_reasons"]) == {"unsupported"}, wrapped["stats"]

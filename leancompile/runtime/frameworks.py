@@ -33,8 +33,8 @@ def fsdp1_refusal(module: torch.nn.Module, schedule: str | None = None,
                   per_block: bool | None = None) -> str | None:
     """Why FSDP1 (``FullyShardedDataParallel``) units in ``module`` keep it from being served per block (None: it
     is served). Served: ``module`` is the FSDP1 root itself (wrapped after FSDP1), every transformer block is its own
-    unit (an auto-wrap policy per block), and every unit shards FULL_SHARD with ``use_orig_params=True`` in the
-    parameters' own dtype on their own device. Each block's ``forward`` inside its unit is routed to the block's
+    unit (an auto-wrap policy per block), and every unit shards FULL_SHARD or SHARD_GRAD_OP with
+    ``use_orig_params=True`` in the parameters' own dtype on their own device. Each block's ``forward`` inside its unit is routed to the block's
     engine while the unit's own forward runs around it (FSDP1 gathers the flat parameter before and frees it after,
     and registers its pre-backward gather on the output); the block's parameters in that forward are FSDP1's views
     into the gathered flat parameter, which the program reads and whose gradients reach the flat parameter's
@@ -64,10 +64,9 @@ def fsdp1_refusal(module: torch.nn.Module, schedule: str | None = None,
             return (f"{head} with use_orig_params=False registers a block's parameters in its forward only as plain "
                     "attributes viewing the flat parameter, which the per-block program does not read yet; use "
                     "use_orig_params=True")
-        if handle._sharding_strategy != HandleShardingStrategy.FULL_SHARD:
-            return (f"{head} with sharding strategy {handle._sharding_strategy.name} is not served yet (the "
-                    "unsharded parameters it keeps between a forward and its backward are not read yet); use "
-                    "ShardingStrategy.FULL_SHARD")
+        if handle._sharding_strategy not in (HandleShardingStrategy.FULL_SHARD, HandleShardingStrategy.SHARD_GRAD_OP):
+            return (f"{head} with sharding strategy {handle._sharding_strategy.name} is not served yet (FSDP1 "
+                    "served per block: FULL_SHARD and SHARD_GRAD_OP)")
         if handle._uses_param_mixed_precision:
             return (f"{head} with mixed_precision (parameters gathered in another dtype than their own) is not "
                     "served yet")
