@@ -31,14 +31,14 @@ def framework_refusal(module: torch.nn.Module, schedule: str | None = None,
 
 def fsdp1_refusal(module: torch.nn.Module, schedule: str | None = None,
                   per_block: bool | None = None) -> str | None:
-    """Why FSDP1 (``FullyShardedDataParallel``) units in ``module`` keep it from being served per block (None: it
-    is served). Served: ``module`` is the FSDP1 root itself (wrapped after FSDP1), every transformer block is its own
+    """Why FSDP1 (``FullyShardedDataParallel``) units in ``module`` keep it from being served per block (None: it is
+    served). Served: ``module`` is the FSDP1 root itself (wrapped after FSDP1), every transformer block is its own
     unit (an auto-wrap policy per block), and every unit shards FULL_SHARD or SHARD_GRAD_OP with
-    ``use_orig_params=True`` in the parameters' own dtype on their own device. Each block's ``forward`` inside its unit is routed to the block's
-    engine while the unit's own forward runs around it (FSDP1 gathers the flat parameter before and frees it after,
-    and registers its pre-backward gather on the output); the block's parameters in that forward are FSDP1's views
-    into the gathered flat parameter, which the program reads and whose gradients reach the flat parameter's
-    post-backward reduce-scatter through autograd, as native's do."""
+    ``use_orig_params=True`` in the parameters' own dtype on their own device. Each block's ``forward`` inside its
+    unit is routed to the block's engine while the unit's own forward runs around it (FSDP1 gathers the flat
+    parameter before and frees it after, and registers its pre-backward gather on the output); the block's
+    parameters in that forward are FSDP1's views into the gathered flat parameter, which the program reads and whose
+    gradients reach the flat parameter's post-backward reduce-scatter through autograd, as native's do."""
     from torch.distributed.fsdp import FullyShardedDataParallel
     from torch.distributed.fsdp._flat_param import HandleShardingStrategy
 
