@@ -17,22 +17,67 @@ def fully_sharded(module: torch.nn.Module) -> bool:
     return fsdp is not None and isinstance(module, fsdp.FSDPModule)
 
 
+def fsdp1_unit(module: torch.nn.Module) -> bool:
+    """Whether ``module`` is an FSDP1 ``FullyShardedDataParallel`` unit (without importing torch.distributed.fsdp)."""
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    return fsdp is not None and isinstance(module, fsdp.FullyShardedDataParallel)
+
+
+def fsdp1_originals(module: torch.nn.Module) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Size]]:
+    """Per ``(id(submodule), name)`` of each original parameter that an FSDP1 unit in ``module``'s tree flattened
+    with ``use_orig_params=True``: the original ``nn.Parameter`` (its data FSDP1's view into the sharded flat
+    parameter outside a forward; the variable the optimizer steps) and its unsharded shape. Inside a unit's forward
+    FSDP1 registers plain tensors instead, views into the gathered flat parameter, whose storage it frees."""
+    originals = {}
+    for unit in module.modules():
+        handle = getattr(unit, "_handle", None) if fsdp1_unit(unit) else None
+        if handle is None or not handle._use_orig_params:
+            continue
+        flat = handle.flat_param
+        for info, param, shape in zip(flat._param_infos, flat._params, flat._shapes):
+            originals[id(info.module), info.param_name] = (param, shape)
+        for info, param in zip(flat._shared_param_infos, flat._shared_params):
+            prim = originals.get((id(info.prim_module), info.prim_param_name))
+            originals[id(info.module), info.param_name] = (param, prim[1] if prim else param.shape)
+    return originals
+
+
+def _fsdp1_original(m: torch.nn.Module, name: str, p: torch.Tensor) -> torch.Tensor:
+    """The original parameter behind ``p``, where ``p`` is FSDP1's view into a gathered flat parameter registered on
+    ``m`` during a unit's forward (its base is the ``FlatParameter``); else ``p``."""
+    flat = p._base if isinstance(p, torch.Tensor) and not isinstance(p, torch.nn.Parameter) else None
+    if flat is None or getattr(flat, "_params", None) is None:
+        return p
+    for info, param in zip(flat._param_infos, flat._params):
+        if info.module is m and info.param_name == name:
+            return param
+    for info, param in zip(flat._shared_param_infos, flat._shared_params):
+        if info.module is m and info.param_name == name:
+            return param
+    return p
+
+
 def named_weights(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
     """``module.named_parameters()``, each parameter FSDP2 manages given as its sharded DTensor whatever FSDP2 has
     registered now: between a forward and its backward (and after a root's forward, which FSDP2 does not reshard) the
-    module holds the unsharded parameter, whose storage FSDP2 frees when it reshards."""
-    sharded = {}
+    module holds the unsharded parameter, whose storage FSDP2 frees when it reshards. Likewise each parameter FSDP1
+    flattened with ``use_orig_params=True`` is given as its original ``nn.Parameter`` (see :func:`fsdp1_originals`),
+    never the view into the gathered flat parameter that a unit's forward registers."""
+    sharded = {key: param for key, (param, _) in fsdp1_originals(module).items()}
     for m in module.modules():
         if fully_sharded(m):
             for group in m._get_fsdp_state()._fsdp_param_groups:
                 for param in group.fsdp_params:
                     sharded[id(param._module_info.module), param._module_info.param_name] = param.sharded_param
-    if not sharded:
+    fsdp1 = "torch.distributed.fsdp" in sys.modules
+    if not sharded and not fsdp1:
         return list(module.named_parameters())
     named, seen = [], set()
     for prefix, m in module.named_modules():
         for name, p in m._parameters.items():
             p = sharded.get((id(m), name), p)
+            if fsdp1:
+                p = _fsdp1_original(m, name, p)
             if p is not None and id(p) not in seen:
                 seen.add(id(p))
                 named.append((f"{prefix}.{name}" if prefix else name, p))
@@ -53,6 +98,8 @@ def plain_copy(module: torch.nn.Module) -> torch.nn.Module:
     # module's own class is the last base
     while issubclass(cls, FSDPModule) or cls.__dict__.get(WRAPPED_CLASS):
         cls = cls.__bases__[-1]
+    if fsdp1_unit(module):  # FSDP1's forward gathers and frees: the copy hands its calls to the module it wraps
+        cls = _PassedThrough
     plain = object.__new__(cls)
     plain.__dict__.update({k: v for k, v in module.__dict__.items()
                            if k not in (STATE_KEY, REGISTRY_KEY, "forward") and not k.startswith("_leancompile")})
@@ -66,18 +113,32 @@ def plain_copy(module: torch.nn.Module) -> torch.nn.Module:
     return plain
 
 
+class _PassedThrough(torch.nn.Module):
+    """An FSDP1 unit in a :func:`plain_copy`: its calls go to the module it wraps, nothing gathered or freed (the
+    tree keeps the unit, so that its modules are listed as the unit's are)."""
+
+    def forward(self, *args, **kwargs):
+        return self._fsdp_wrapped_module(*args, **kwargs)
+
+
 def with_fake_weights(module: torch.nn.Module, device: torch.device) -> torch.nn.Module:
     """:func:`plain_copy` of ``module`` whose parameters are fake tensors of the whole parameters' shapes (a
-    sharded DTensor's global shape) on ``device``, all of one ``FakeTensorMode``: tracing reads shapes, dtypes and
-    devices, never values, so nothing is gathered. Buffers stay as they are (FSDP2 does not shard them)."""
+    sharded DTensor's global shape, the shape an FSDP1 original parameter had before flattening) on ``device``, all
+    of one ``FakeTensorMode``: tracing reads shapes, dtypes and devices, never values, so nothing is gathered.
+    Buffers stay as they are (FSDP2 and FSDP1 do not shard them)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     mode = FakeTensorMode(allow_non_fake_inputs=True)
+    shapes = {key: shape for key, (_, shape) in fsdp1_originals(module).items()}
     plain = plain_copy(module)
-    for child in plain.modules():
+    for (_, original), child in zip(module.named_modules(remove_duplicate=False),
+                                    plain.modules(remove_duplicate=False)):
         for name, p in child._parameters.items():
             if p is not None:
-                child._parameters[name] = torch.nn.Parameter(fake_like(p, mode, device), p.requires_grad)
+                shape = shapes.get((id(original), name))
+                fake = fake_like(p, mode, device) if shape is None else fake_like(
+                    torch.empty(shape, dtype=p.dtype, device="meta"), mode, device)
+                child._parameters[name] = torch.nn.Parameter(fake, p.requires_grad)
     return plain
 
 

@@ -8,14 +8,16 @@ import sys
 import torch
 
 
-def framework_refusal(module: torch.nn.Module) -> str | None:
-    """Why a framework that manages the module's parameters itself keeps it from being served (None: none does)."""
+def framework_refusal(module: torch.nn.Module, schedule: str | None = None,
+                      per_block: bool | None = None) -> str | None:
+    """Why a framework that manages the module's parameters itself keeps it from being served (None: none does).
+    ``schedule`` and ``per_block``: the wrapper's request (FSDP1 is served per block, under Retain)."""
     fsdp = sys.modules.get("torch.distributed.fsdp")  # not imported: nothing is sharded by it
     if fsdp is not None and (any(isinstance(m, fsdp.FullyShardedDataParallel) for m in module.modules()) or any(
             isinstance(p, fsdp.FlatParameter) for p in module.parameters())):
-        return ("FSDP1 (FullyShardedDataParallel) holds the module's parameters as flat shards it swaps in and out "
-                "around each call, which the engine cannot verify; it runs natively. Shard with FSDP2's "
-                "fully_shard (torch.distributed.fsdp) to be served per block")
+        refusal = fsdp1_refusal(module, schedule, per_block)
+        if refusal is not None:
+            return f"{refusal}; it runs natively"
     ddp = torch.nn.parallel.DistributedDataParallel
     if any(isinstance(m, ddp) for m in module.modules() if m is not module):
         return ("a DistributedDataParallel inside the module arms its reducer in its own forward, which the "
@@ -24,6 +26,56 @@ def framework_refusal(module: torch.nn.Module) -> str | None:
     if any(hasattr(p, "ds_id") for p in module.parameters()):
         return ("DeepSpeed ZeRO-3 partitions the module's parameters and gathers them inside each call; it runs "
                 "natively. ZeRO-1 and ZeRO-2 (sharded gradients and optimizer states) are served")
+    return None
+
+
+def fsdp1_refusal(module: torch.nn.Module, schedule: str | None = None,
+                  per_block: bool | None = None) -> str | None:
+    """Why FSDP1 (``FullyShardedDataParallel``) units in ``module`` keep it from being served per block (None: it is
+    served). Served: ``module`` is the FSDP1 root itself (wrapped after FSDP1), every transformer block is its own
+    unit (an auto-wrap policy per block), and every unit shards FULL_SHARD or SHARD_GRAD_OP with
+    ``use_orig_params=True`` in the parameters' own dtype on their own device. Each block's ``forward`` inside its
+    unit is routed to the block's engine while the unit's own forward runs around it (FSDP1 gathers the flat
+    parameter before and frees it after, and registers its pre-backward gather on the output); the block's
+    parameters in that forward are FSDP1's views into the gathered flat parameter, which the program reads and whose
+    gradients reach the flat parameter's post-backward reduce-scatter through autograd, as native's do."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+    from torch.distributed.fsdp._flat_param import HandleShardingStrategy
+
+    from .regional import transformer_blocks
+
+    head = "FSDP1 (FullyShardedDataParallel)"
+    if not isinstance(module, FullyShardedDataParallel):
+        return (f"{head} shards the module's parameters, and leancompile.wrap wraps a module that is not the "
+                "FullyShardedDataParallel root (wrapped before FSDP1, or around it); FSDP1 is served per block where "
+                "the FullyShardedDataParallel module itself is wrapped: wrap after FSDP1")
+    if schedule == "reweight":
+        return (f"{head} with schedule='reweight': Reweight's loss heads would run FSDP1's gathers for blocks they "
+                "answer from kept outputs, which is not served yet; use schedule='retain'")
+    if per_block is False:
+        return f"{head} is served per block only; per_block=False keeps the whole call, whose trace FSDP1's " \
+            "gathers would leave"
+    units = [m for m in module.modules() if isinstance(m, FullyShardedDataParallel)]
+    for unit in units:
+        handle = unit._handle
+        if handle is None:
+            continue
+        if not handle._use_orig_params:
+            return (f"{head} with use_orig_params=False registers a block's parameters in its forward only as plain "
+                    "attributes viewing the flat parameter, which the per-block program does not read yet; use "
+                    "use_orig_params=True")
+        if handle._sharding_strategy not in (HandleShardingStrategy.FULL_SHARD, HandleShardingStrategy.SHARD_GRAD_OP):
+            return (f"{head} with sharding strategy {handle._sharding_strategy.name} is not served yet (FSDP1 "
+                    "served per block: FULL_SHARD and SHARD_GRAD_OP)")
+        if handle._uses_param_mixed_precision:
+            return (f"{head} with mixed_precision (parameters gathered in another dtype than their own) is not "
+                    "served yet")
+        if handle._offload_params:
+            return f"{head} with CPU offload is not served yet"
+    unwrapped = [b for b in transformer_blocks(module) if not isinstance(b, FullyShardedDataParallel)]
+    if unwrapped or not transformer_blocks(module):
+        return (f"{head} is served per block where each transformer block is its own unit (an auto-wrap policy per "
+                f"block class); {type(unwrapped[0]).__name__ if unwrapped else 'no block'} is not")
     return None
 
 

@@ -21,7 +21,7 @@ import torch
 from torch.utils import _pytree as pytree
 from torch.utils.hooks import RemovableHandle
 
-from ..backbones.plain import named_weights
+from ..backbones.plain import fsdp1_unit, named_weights
 from ..plan import VALUES
 from .calls import Call
 from .digest import Unreadable, digest
@@ -137,9 +137,11 @@ class StateReader:
         # The attributes compared: (instance dict, name) of each plain one, and of each container of plain ones
         # A LoRA layer's lists and dicts: its active adapter, scaling and merged adapters (its others, such as each
         # adapter's rank, change only where an adapter is added, which registers modules)
-        lora = {id(m) for m in self.lora}
+        # An FSDP1 unit's attributes are FSDP1's bookkeeping (whether it is the root, set at its first forward), not
+        # the computation's: that is the module it wraps, whose attributes are compared
+        lora, units = {id(m) for m in self.lora}, {i for i, m in enumerate(self.modules) if fsdp1_unit(m)}
         attributes = {kind: [(i, k) for i, d in enumerate(self.flags) for k, v in d.items()
-                             if k not in _NOT_ATTRIBUTES and _attribute(v) == kind
+                             if k not in _NOT_ATTRIBUTES and i not in units and _attribute(v) == kind
                              and (kind is tuple or id(self.modules[i]) not in lora or k in _LORA_ATTRIBUTES)]
                       for kind in (tuple, list, dict)}
         self.attribute_names = [(self.module_names[i], k) for kind in attributes for i, k in attributes[kind]]

@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 from torch.utils import _pytree as pytree
 
-from ..backbones.plain import fully_sharded, plain_copy
+from ..backbones.plain import fsdp1_unit, fully_sharded, plain_copy
 from ..passes.pipeline import PassHistory
 from ..plan import VALUES, StepAction
 from .calls import Call, bound, named_forward, output_layout
@@ -103,7 +103,8 @@ class RegionalEngine:
                                    native=self._natively, log=self.log, verify=verify)
         self._idle: frozenset[int] = frozenset()  # blocks the heads run without grad (see provisional)
         self._answered: list[torch.nn.Module] = []  # blocks the heads answer with kept outputs (see provisional)
-        self._sharded = any(fully_sharded(block) for block in self.blocks)  # by FSDP2
+        # by FSDP2, or FSDP1 (whose units wrap the blocks)
+        self._sharded = any(map(fully_sharded, self.blocks)) or any(map(fsdp1_unit, backbone.modules()))
         self.schedule_runtime = self.engines[0].schedule_runtime
         if not self.schedule_runtime.input_gradients:
             raise ValueError(f"{self.schedule_runtime.name} cannot serve a block: its served calls do not return their "

@@ -78,6 +78,10 @@ class RowwiseBackbone:
         self.input_grads = input_grads  # compile the gradients of the floating row inputs too (a block's states)
         self._params = dict(backbone.named_parameters())
         self._buffers = dict(backbone.named_buffers())
+        # Where each parameter is read by name (live weights): FSDP1 registers its gathered views as parameters in a
+        # unit's forward, but as plain attributes in its pre-backward, which named_parameters() does not list
+        self._places = [(name, backbone.get_submodule(name.rpartition(".")[0]), name.rpartition(".")[2])
+                        for name in self._params]
         self._weight_values: tuple = ((), None)  # (key, versions, ids), the weight-only saved tensors
         # Shared by modules of one structure (identical transformer blocks compile once: the weights are inputs)
         self._programs: dict[tuple, RowProgram] = programs if programs is not None else {}
@@ -93,7 +97,8 @@ class RowwiseBackbone:
 
     def _refresh(self) -> None:
         if self.live_weights:
-            self._params, self._buffers = dict(self.backbone.named_parameters()), dict(self.backbone.named_buffers())
+            self._params = {name: getattr(module, leaf) for name, module, leaf in self._places}
+            self._buffers = dict(self.backbone.named_buffers())
 
     def program_of(self, key: tuple) -> RowProgram:
         """The compiled program of row signature ``key``."""

@@ -13,7 +13,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from ..backbones.families import family_of
-from ..backbones.plain import fully_sharded, named_weights
+from ..backbones.plain import fsdp1_unit, fully_sharded, named_weights
 from ..passes.pipeline import PassHistory
 from ..plan import AUTO, Action, Schedule, StepAction
 from ..request import Request
@@ -52,7 +52,7 @@ class WrapRuntime:
         self.barren = 0  # rollouts in a row whose kept calls the update served none of (see _stop_keeping)
         self.warned: set[str] = set()
         self.watched = True  # by the optimizer-step watch (a submodule serving after a descent: by its parent's)
-        self.refusal = framework_refusal(module)
+        self.refusal = framework_refusal(module, request.schedule, request.per_block)
         self._build(module)
         # DDP: its own forward runs around every call and the module it holds serves them (passed_through)
         self.through = passed_through(module)
@@ -154,7 +154,7 @@ class WrapRuntime:
         self.registrations = REGISTRATIONS[0]
         now = structure(module)
         if now != self.structure:
-            self.refusal = framework_refusal(module)
+            self.refusal = framework_refusal(module, self.request.schedule, self.request.per_block)
             if self.refusal is None:
                 # A parameter, buffer or submodule replaced: the engine reads the module's new ones, and the calls
                 # kept with the old ones are freed, the change their reason.
@@ -346,7 +346,7 @@ def build_engine(module: torch.nn.Module, request: Request) -> tuple:
     auto = schedule == AUTO
     if auto:  # Retain's runtime: a call kept past the memory limit waits in host memory (offload)
         schedule = str(Schedule.RETAIN)
-    sharded = any(fully_sharded(m) for m in module.modules())
+    sharded = any(fully_sharded(m) or fsdp1_unit(m) for m in module.modules())  # FSDP2 or FSDP1
     per_block = sharded if request.per_block is None else request.per_block
     schedule_runtime = BitwiseRetain() if bitwise else SCHEDULES[Schedule(schedule)].runtime()
     native = functools.partial(torch.nn.Module.__call__, module)  # the module's call, hooks included
@@ -360,7 +360,8 @@ def build_engine(module: torch.nn.Module, request: Request) -> tuple:
         if schedule_runtime.for_block() is None:  # bitwise=True under FSDP2 (per_block=True with it: refused)
             raise ValueError("the module is sharded by FSDP2, whose calls are served per block, and bitwise=True "
                              "keeps the eager graph of the whole call: drop bitwise=True")
-        blocks = transformer_blocks(module)
+        # an FSDP1 unit's own forward gathers and frees around the block it wraps, whose forward is routed
+        blocks = [b._fsdp_wrapped_module if fsdp1_unit(b) else b for b in transformer_blocks(module)]
         if not blocks:
             raise ValueError(f"per_block=True: {type(module).__name__} has no stack of identical blocks (an "
                              "nn.ModuleList of modules of one class); use per_block=False")
