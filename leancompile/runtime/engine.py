@@ -28,7 +28,7 @@ import torch
 from ..plan import VALUES
 from .calls import Call, output_layout
 from .dtypes import through_casts
-from .identity import StateReader, row_keys
+from .identity import TRAINING_FLAGS, StateReader, row_keys
 from .policy import KeepPolicy, StepPolicy
 from .rowwise import RowwiseBackbone
 from .schedule_runtime import ScheduleRuntime
@@ -276,10 +276,14 @@ class ReuseEngine:
         return self.schedule_runtime.available(kept, row) and (id(kept), row) not in self._answered
 
     def _modes_agree(self, kept: KeptCall, state, call: Call) -> str | None:
-        """Why ``call``, under its own training flags, may not run the graphs the kept call ran (None: it runs the
-        very same ones, so the flags that differ, a rollout in ``eval()`` and an update in ``train()``, read
-        nothing that changes the result)."""
-        if kept.rowwise is not None:
+        """Why ``call``, under its own training flags, attributes and hooks, may not run the graphs the kept call
+        ran (None: it runs the very same ones, so what differs, a rollout in ``eval()`` and an update in ``train()``,
+        a hook that makes the embeddings' output require grad, changes nothing the call computes). Each program was
+        traced through the module as it was when compiled, hooks included; a copy traced in its place (a block's,
+        see runtime.regional) holds the hooks and attributes it was made with, so only training flags are proven
+        on it."""
+        live = kept.rowwise is not None and kept.rowwise.traced is kept.rowwise.backbone
+        if kept.rowwise is not None and (live or kept.state.difference(state) == TRAINING_FLAGS):
             pair = (kept.key, state.compile_key)
             if pair not in self._same:
                 start = time.perf_counter()

@@ -28,6 +28,7 @@ from .digest import Unreadable, digest
 
 
 TRAINING_FLAGS = "training flags"
+MODULE_STATE = "module state"
 _TRAINING = operator.itemgetter("training")
 _ADAPTERS_OFF = operator.attrgetter("disable_adapters")
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
@@ -53,7 +54,7 @@ _LORA_ATTRIBUTES = {"scaling": "adapter scaling", "_active_adapter": "active ada
 
 
 # The kinds in which two call states can differ, each with the CallState field it compares, in the order checked.
-DIFFERENCES = (("inputs", "signature"), ("autocast", "autocast"), ("module state", "modules"),
+DIFFERENCES = (("inputs", "signature"), ("autocast", "autocast"), (MODULE_STATE, "modules"),
                ("weights", "versions"), (TRAINING_FLAGS, "training"))
 
 
@@ -78,6 +79,16 @@ class CallState:
                 return kind
         return None
 
+    def program_shows(self, other: "CallState") -> bool:
+        """Whether the two states differ only where the call's one-row program shows it: training flags, plain
+        attributes and hooks (a hook that makes the embeddings' output require grad, a gradient checkpointing flag
+        a forward reads, dropout's p), each traced into the program compiled under the state. Two programs that are
+        one graph compute the same; adapters, requires_grad, dtypes and weights must be equal besides."""
+        if (self.signature, self.autocast, self.versions) != (other.signature, other.autocast, other.versions):
+            return False
+        (off, grads, _, _, dtypes), (off_now, grads_now, _, _, dtypes_now) = self.modules, other.modules
+        return (off, grads, dtypes) == (off_now, grads_now, dtypes_now)
+
     def explain(self, other: "CallState", reader: "StateReader") -> str:
         """What differs between the two states, named: the argument, the parameters, the submodule."""
         kind = self.difference(other)
@@ -85,7 +96,7 @@ class CallState:
             return f"argument {first_difference(self.signature, other.signature)}"
         if kind == "autocast":
             return f"autocast {other.autocast} differs from the kept call's {self.autocast}"
-        if kind == "module state":
+        if kind == MODULE_STATE:
             return _explain_modules(self.modules, other.modules, reader)
         if kind == "weights":
             changed = sum(a != b for a, b in zip(self.versions, other.versions))

@@ -205,7 +205,11 @@ class RegionalEngine:
 
     def _modes_agree(self, kept: KeptCall, state, call: Call) -> str | None:
         """Why the module computes differently in the call's training modes than in the kept call's (None: the
-        same; each block's engine then compares its own programs too, see ReuseEngine._modes_agree)."""
+        same; each block's engine then compares its own programs too, see ReuseEngine._modes_agree). The mode
+        proof traces the module as it is now under both flags: it shows nothing of attributes or hooks that
+        differ, so those recompute."""
+        if kept.state.difference(state) != TRAINING_FLAGS:
+            return kept.state.explain(state, self.reader)
         return self._modes(kept.state, state, call)
 
     def _keep(self, call: Call, state, made: list | None = None) -> Verified:

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 import torch
 
 from .calls import Call, OutputLayout, row_input_names
-from .identity import (DIFFERENCES, TRAINING_FLAGS, CallState, StateReader, dtype_differences, first_difference,
-                       row_keys)
+from .identity import (DIFFERENCES, MODULE_STATE, TRAINING_FLAGS, CallState, StateReader, dtype_differences,
+                       first_difference, row_keys)
 
 
 @dataclass
@@ -185,10 +185,11 @@ class KeptCalls:
         """The kind in which ``kept``'s state differs from ``state`` where it matters, or its weights' values from
         the weights' now (None: it may serve); the reason is recorded in ``differences`` under its kind."""
         difference = kept.state.difference(state)
-        if difference is None or difference == TRAINING_FLAGS and agree(kept, state, call) is None:
+        proven = difference in (TRAINING_FLAGS, MODULE_STATE) and kept.state.program_shows(state)
+        if difference is None or proven and agree(kept, state, call) is None:
             difference, why = WRITTEN, self.reader.written(kept.weights, weights())
         else:
-            why = agree(kept, state, call) if difference == TRAINING_FLAGS else kept.state.explain(state, self.reader)
+            why = agree(kept, state, call) if proven else kept.state.explain(state, self.reader)
         if why is None:
             return None
         differences.setdefault(difference, why)
