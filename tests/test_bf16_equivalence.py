@@ -36,7 +36,7 @@ def _figures(weights: str) -> dict:
 
 
 def _check(figures: dict, setup: Setup = Setup()):
-    native, contiguous, served = figures["native"], figures["contiguous"], figures["served"]
+    native, contiguous = figures["native"], figures["contiguous"]
     # one rollout: the wrapped module's kept calls return native's bits
     assert all(torch.equal(native["trajectory"], figures[run]["trajectory"]) for run in RUNS)
     # every update call served, and on-policy exactly

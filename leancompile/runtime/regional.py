@@ -41,7 +41,7 @@ from ..plan import VALUES, StepAction
 from .calls import Call, bound, named_forward, output_layout
 from .dtypes import through_casts
 from .engine import HELD, ReuseEngine, StepLog, Verified, no_stats
-from .identity import StateReader, row_keys
+from .identity import TRAINING_FLAGS, StateReader, row_keys
 from .modes import ModeProof
 from .policy import Directive, KeepPolicy, StepPolicy
 from .reweight import LowestPrecision, coarsest
