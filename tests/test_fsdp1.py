@@ -18,15 +18,15 @@ import torch.distributed as dist
 
 import leancompile
 from conftest import spawn_ranks
+from test_loops_dancegrpo import ACCUMULATION, PerSampleSteps
 from examples import dancegrpo_flux
 from leancompile.runtime.regional import RegionalEngine
 
 WORLD = 2
-ACCUMULATION = 2  # samples per optimizer step: two optimizer steps per rollout of four samples
 CONFIG = dancegrpo_flux.Config(num_steps=4, dtype=torch.float64)
 
 
-class FSDP1Flux(dancegrpo_flux.Loop):
+class FSDP1Flux(PerSampleSteps, dancegrpo_flux.Loop):
     """The example's Flux loop with its transformer in FSDP1 and activation checkpointing, wrapped by leancompile
     ``where`` (``None``: not wrapped)."""
 
@@ -63,20 +63,6 @@ class FSDP1Flux(dancegrpo_flux.Loop):
         if self.wrapped is None:
             return []
         return list(self.wrapped.last_calls)
-
-    def train(self, samples, rewards):
-        c = self.config
-        grouped = rewards.reshape(-1, c.group)
-        advantages = ((grouped - grouped.mean(1, keepdim=True)) / (grouped.std(1, keepdim=True) + 1e-8)).reshape(-1)
-        trained = int((c.num_steps - 1) * c.timestep_fraction)
-        perms = torch.stack([torch.randperm(c.num_steps - 1, generator=self.generator) for _ in rewards])
-        for n in range(len(rewards)):
-            for j in perms[n, :trained].tolist():
-                (self.loss(samples, advantages, n, j) / (ACCUMULATION * trained)).backward()
-            if (n + 1) % ACCUMULATION == 0:
-                self.transformer.clip_grad_norm_(1.0)  # FSDP's own: the norm over every shard
-                self.optimizer.step()
-                self.optimizer.zero_grad()
 
     def step(self):
         self.transformer.eval()

@@ -46,7 +46,26 @@ def get_dit_fsdp_kwargs(transformer, use_orig_params: bool) -> dict:
                 use_orig_params=use_orig_params, device_id=torch.device("cpu"))  # FSDP1 on the CPU: gloo
 
 
-class FSDP1Flux(dancegrpo_flux.Loop):
+class PerSampleSteps:
+    """DanceGRPO's update: per sample its own randomly drawn trained steps, FSDP's ``clip_grad_norm_`` and an
+    optimizer step every ``ACCUMULATION`` samples (several per rollout)."""
+
+    def train(self, samples: dict, rewards: torch.Tensor) -> None:
+        c = self.config
+        grouped = rewards.reshape(-1, c.group)
+        advantages = ((grouped - grouped.mean(1, keepdim=True)) / (grouped.std(1, keepdim=True) + 1e-8)).reshape(-1)
+        trained = int((c.num_steps - 1) * c.timestep_fraction)
+        perms = torch.stack([torch.randperm(c.num_steps - 1, generator=self.generator) for _ in rewards])
+        for n in range(len(rewards)):
+            for j in perms[n, :trained].tolist():
+                (self.loss(samples, advantages, n, j) / (ACCUMULATION * trained)).backward()
+            if (n + 1) % ACCUMULATION == 0:
+                self.transformer.clip_grad_norm_(1.0)  # FSDP's own: the norm over every shard
+                self.optimizer.step()
+                self.optimizer.zero_grad()
+
+
+class FSDP1Flux(PerSampleSteps, dancegrpo_flux.Loop):
     """The example's Flux loop with its transformer in FSDP1 and activation checkpointing, wrapped ``where``
     (``None``: not wrapped)."""
 
@@ -69,20 +88,6 @@ class FSDP1Flux(dancegrpo_flux.Loop):
         self.applied = []  # the gradient each optimizer step applies
         self.optimizer.register_step_pre_hook(lambda *_: self.applied.append(
             torch.cat([p.grad.flatten() for p in self.transformer.parameters()])))
-
-    def train(self, samples: dict, rewards: torch.Tensor) -> None:
-        c = self.config
-        grouped = rewards.reshape(-1, c.group)
-        advantages = ((grouped - grouped.mean(1, keepdim=True)) / (grouped.std(1, keepdim=True) + 1e-8)).reshape(-1)
-        trained = int((c.num_steps - 1) * c.timestep_fraction)
-        perms = torch.stack([torch.randperm(c.num_steps - 1, generator=self.generator) for _ in rewards])
-        for n in range(len(rewards)):
-            for j in perms[n, :trained].tolist():
-                (self.loss(samples, advantages, n, j) / (ACCUMULATION * trained)).backward()
-            if (n + 1) % ACCUMULATION == 0:
-                self.transformer.clip_grad_norm_(1.0)  # FSDP's own: the norm over every shard
-                self.optimizer.step()
-                self.optimizer.zero_grad()
 
     def step(self) -> float:
         self.transformer.eval()
