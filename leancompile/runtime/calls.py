@@ -92,15 +92,16 @@ class Call:
         return pytree.tree_unflatten(leaves, self.spec)
 
 
+def argument_paths(spec) -> list[str]:
+    """Each leaf's path in a call's ``(args, kwargs)`` tree, as ``kwargs['name']`` or ``args[0]``."""
+    tree = pytree.tree_unflatten(list(range(spec.num_leaves)), spec)
+    flat = pytree.tree_flatten_with_path(tree)[0]
+    return [("args" if path[0].idx == 0 else "kwargs") + pytree.keystr(path[1:]) for path, _ in flat]
+
+
 def row_input_names(call: Call) -> list[str]:
     """The path of each of the call's row inputs (``kwargs['timestep']``), in the order of ``row_inputs``."""
-    paths = [pytree.keystr(path) for path, _ in pytree.tree_flatten_with_path((call.args, call.kwargs))[0]]
-    return [_argument(path) for path, row in zip(paths, call.rows) if row]
-
-
-def _argument(path: str) -> str:
-    """``[0][0]`` as ``args[0]``, ``[1]['x']`` as ``kwargs['x']``."""
-    return ("args" if path.startswith("[0]") else "kwargs") + path[3:]
+    return [path for path, row in zip(argument_paths(call.spec), call.rows) if row]
 
 
 def call_signature(forward, skip_first: bool = False) -> inspect.Signature | None:

@@ -16,8 +16,7 @@ import torch
 import torch.fx as fx
 
 from ..passes.casts import cast_reads, same_after_casts
-from .calls import Call
-from .identity import argument_paths
+from .calls import Call, argument_paths
 from .store import Found, KeptCalls
 
 # ``traced(call)``: the module's graphs on one row of ``call`` (forward, and the backward where the forward saves

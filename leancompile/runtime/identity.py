@@ -18,12 +18,11 @@ import operator
 from dataclasses import dataclass
 
 import torch
-from torch.utils import _pytree as pytree
 from torch.utils.hooks import RemovableHandle
 
 from ..backbones.plain import fsdp1_unit, named_weights
 from ..plan import VALUES
-from .calls import Call
+from .calls import Call, argument_paths
 from .digest import Unreadable, digest
 
 
@@ -318,13 +317,6 @@ def dtype_differences(kept: tuple, now: tuple) -> dict[int, torch.dtype] | None:
             return None
         differences[i] = theirs[1]
     return differences or None
-
-
-def argument_paths(spec) -> list[str]:
-    """Each leaf's path in a call's ``(args, kwargs)`` tree, as ``kwargs['name']`` or ``args[0]``."""
-    tree = pytree.tree_unflatten(list(range(spec.num_leaves)), spec)
-    flat = pytree.tree_flatten_with_path(tree)[0]
-    return [("args" if path[0].idx == 0 else "kwargs") + pytree.keystr(path[1:]) for path, _ in flat]
 
 
 def row_keys(inputs: tuple[torch.Tensor, ...]) -> list[tuple]:

@@ -6,8 +6,8 @@ row shares and its state (:class:`~.identity.CallState`); what else it holds is 
 (output values, saved tensors, provisional gradients). A lookup finds, per row of a call, a kept row with the same
 digest in the same state, then checks the rows bitwise. Kept calls of other weights' versions can never match
 again (counters only grow) and are freed, and the reason is kept for the calls that follow. Each kept call holds the
-digest of the weights' values it was made with (:mod:`.digest`), compared with theirs now at every answer: writes through ``.data`` move no version
-counter, and weights swapped out and back in (a reference, an EMA) serve again.
+digest of the weights' values it was made with (:mod:`.digest`), compared with theirs now at every answer: writes
+through ``.data`` move no version counter, and weights swapped out and back in (a reference, an EMA) serve again.
 """
 from __future__ import annotations
 
@@ -185,11 +185,14 @@ class KeptCalls:
         """The kind in which ``kept``'s state differs from ``state`` where it matters, or its weights' values from
         the weights' now (None: it may serve); the reason is recorded in ``differences`` under its kind."""
         difference = kept.state.difference(state)
-        proven = difference in (TRAINING_FLAGS, MODULE_STATE) and kept.state.program_shows(state)
-        if difference is None or proven and agree(kept, state, call) is None:
-            difference, why = WRITTEN, self.reader.written(kept.weights, weights())
+        if difference is None:
+            why = None
+        elif difference in (TRAINING_FLAGS, MODULE_STATE) and kept.state.program_shows(state):
+            why = agree(kept, state, call)
         else:
-            why = agree(kept, state, call) if proven else kept.state.explain(state, self.reader)
+            why = kept.state.explain(state, self.reader)
+        if why is None:  # the same state, or one the programs prove the same: the weights' values decide
+            difference, why = WRITTEN, self.reader.written(kept.weights, weights())
         if why is None:
             return None
         differences.setdefault(difference, why)
@@ -217,9 +220,8 @@ class KeptCalls:
         row's. Only worked out for a call with grad (a recompute; a rollout's new call is kept, and says nothing)."""
         if keys[row] in self._freed_keys:
             return f"row {row} was kept, and freed: {self._freed_keys[keys[row]]}", "weights"
-        if not torch.is_grad_enabled():
-            return f"row {row}: no kept call has these inputs", "inputs"
-        if call.verified_rows is not None:  # a block's call: identified by its backbone call's rows
+        # without grad (a rollout's new call, kept), or a block's call (identified by its backbone call's rows)
+        if not torch.is_grad_enabled() or call.verified_rows is not None:
             return f"row {row}: no kept call has these inputs", "inputs"
         signature = call.signature()
         alike = [k for k in self.calls if k.state.signature == signature]

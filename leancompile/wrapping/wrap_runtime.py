@@ -233,11 +233,9 @@ class WrapRuntime:
     def _stop_keeping(self, with_grad: list[CallRecord]) -> None:
         """The calls kept in the last rollouts served none of the update's: keeping them costs the per-row program's
         time and their memory for nothing, so nothing more is kept and the module runs natively, saying why."""
-        kind = Counter(r.kind for r in with_grad).most_common(1)[0][0]
-        reason = next(r.reason for r in with_grad if r.kind == kind)
+        kind, reason, fix = _commonest(with_grad)
         self.policy.stop(f"the update served none of the calls kept in the last {self.barren} rollouts ({kind}: "
-                         f"{reason}; fix: {FIXES.get(kind, 'see last_calls')}): the module runs natively from now "
-                         "on")
+                         f"{reason}; fix: {fix}): the module runs natively from now on")
         self.engine.release(self.policy.stopped)
         self.notes.append(CallRecord("native", 0, self.policy.stopped, "stopped"))
         message = f"leancompile.wrap: {self.policy.stopped}"
@@ -272,9 +270,7 @@ class WrapRuntime:
                                        "leancompile (the loop calls .forward() directly, or an unwrapped copy)")
             fix = "call the wrapped module itself (module(...))"
         else:
-            kind = Counter(r.kind for r in with_grad).most_common(1)[0][0]
-            reason = next(r.reason for r in with_grad if r.kind == kind)
-            fix = FIXES.get(kind, "see last_calls")
+            kind, reason, fix = _commonest(with_grad)
             if kind == "weights" and self.served_ever:  # the second optimizer step on one rollout, as expected
                 return
         if kind in self.warned:
@@ -285,6 +281,12 @@ class WrapRuntime:
         if self.request.raises:
             raise NothingServedError(message)
         warnings.warn(message, NothingServedWarning, stacklevel=4)
+
+
+def _commonest(records: list[CallRecord]) -> tuple[str, str, str]:
+    """The commonest kind of recompute among ``records``, its first reason, and its fix."""
+    kind = Counter(r.kind for r in records).most_common(1)[0][0]
+    return kind, next(r.reason for r in records if r.kind == kind), FIXES.get(kind, "see last_calls")
 
 
 def _native_seconds(module: torch.nn.Module, trainable: list, args: tuple, kwargs: dict) -> float:
