@@ -126,12 +126,16 @@ def test_auto_falls_back_to_native_where_the_program_measures_slower(monkeypatch
 
 
 @pytest.mark.fast
-def test_the_program_time_per_row_skips_the_first_call_which_traces(monkeypatch):
+def test_the_program_time_per_row_is_the_median_over_its_calls(monkeypatch):
+    """A call slowed by the machine's load (the first here) moves the median, not the estimate's scale; the engine
+    leaves compile time out of each record (tests/test_wrap_module.py)."""
     monkeypatch.setattr(auto, "AUTO_FLOOR", FLOOR)
-    records = [auto_record("kept", 4, 1.0), auto_record("kept", 4, 0.1), auto_record("served", 2, 0.5),
-               auto_record("served", 2, 0.02), auto_record("recomputed", 2, 0.0)]
-    assert auto.program_seconds_per_row(records, "kept") == pytest.approx(0.1 / 4)
-    assert auto.program_seconds_per_row(records, "served") == pytest.approx(0.02 / 2)
+    records = [auto_record("kept", 4, 1.0), auto_record("kept", 4, 0.1), auto_record("kept", 2, 0.06),
+               auto_record("served", 2, 0.5), auto_record("served", 2, 0.02), auto_record("served", 2, 0.03),
+               auto_record("recomputed", 2, 0.0)]
+    assert auto.program_seconds_per_row(records, "kept") == pytest.approx(0.03)
+    assert auto.program_seconds_per_row(records, "served") == pytest.approx(0.015)
+    assert auto.program_seconds_per_row(records, "recomputed") == 0.0
     assert auto.slower(1.0, 0.96) and not auto.slower(1.0, 0.98)
 
 

@@ -199,10 +199,11 @@ def test_torchs_batching_rule_warnings_do_not_reach_the_user():
 
 
 def test_auto_measures_the_program_against_native_and_runs_natively_where_it_is_slower(monkeypatch):
-    """Native's time per row measured at the first kept call is made a thousandth of a nanosecond here, so that the
+    """Native's time per row measured beside the program is made a thousandth of a nanosecond here, so that the
     program is slower whatever the machine: after the first optimizer step that followed served calls, auto keeps
     nothing more, says why, and the loop's gradient stays native's."""
-    monkeypatch.setattr(sys.modules["leancompile.wrapping.wrap_runtime"], "_native_seconds", lambda *_: 1e-12)
+    for timed in ("forward_seconds", "update_seconds"):
+        monkeypatch.setattr(sys.modules["leancompile.wrapping.wrap_runtime"], timed, lambda *_: 1e-12)
     monkeypatch.setattr(auto, "AUTO_FLOOR", FLOOR)  # the suite's own is 0 (conftest)
     module, inputs = _sd3()
     wrapped = leancompile.wrap(module, schedule="auto")
@@ -210,7 +211,7 @@ def test_auto_measures_the_program_against_native_and_runs_natively_where_it_is_
     with torch.no_grad():
         wrapped(**inputs, return_dict=False)
     _update(wrapped, **inputs)
-    with pytest.warns(leancompile.NothingServedWarning, match="auto: the per-row program took"):
+    with pytest.warns(leancompile.NothingServedWarning, match="auto: this step's 3 kept and 3 served rows took the per-row program"):
         optimizer.step()
     with warnings.catch_warnings():
         warnings.simplefilter("error", leancompile.NothingServedWarning)  # said once
@@ -229,7 +230,8 @@ def test_auto_measures_the_program_against_native_and_runs_natively_where_it_is_
 
 
 def test_auto_keeps_serving_where_the_program_is_not_slower(monkeypatch):
-    monkeypatch.setattr(sys.modules["leancompile.wrapping.wrap_runtime"], "_native_seconds", lambda *_: 1e6)
+    for timed in ("forward_seconds", "update_seconds"):
+        monkeypatch.setattr(sys.modules["leancompile.wrapping.wrap_runtime"], timed, lambda *_: 1e6)
     monkeypatch.setattr(auto, "AUTO_FLOOR", FLOOR)
     module, inputs = _sd3()
     wrapped = leancompile.wrap(module, schedule="auto")
@@ -239,7 +241,53 @@ def test_auto_keeps_serving_where_the_program_is_not_slower(monkeypatch):
             wrapped(**inputs, return_dict=False)
         _update(wrapped, **inputs)
         optimizer.step()
+    notes = [r.reason for r in wrapped.last_calls if r.kind == "auto"]  # read before stats() clears them
+    assert len(notes) == 1 and "the compile took" in notes[0] and "repaid after" in notes[0], notes
     assert wrapped.stats()["served_calls"] == 2
+
+
+def test_compile_time_is_counted_apart_from_the_calls_it_compiled_for():
+    """The first kept and served calls compile and trace their programs: the seconds go to
+    ``stats()["compile_seconds"]``, and the calls' records (auto's program times) hold their runs alone."""
+    module, inputs = _sd3()
+    wrapped = leancompile.wrap(module)
+    with torch.no_grad():
+        wrapped(**inputs, return_dict=False)
+    _update(wrapped, **inputs)
+    records = {r.action: r.seconds for r in wrapped.last_calls}
+    stats = wrapped.stats()
+    assert set(records) == {"kept", "served"} and stats["served_calls"] == 1
+    assert 0 < max(records.values()) < stats["compile_seconds"], (records, stats)
+    with torch.no_grad():  # compiled: nothing more to count
+        wrapped(**inputs, return_dict=False)
+    assert wrapped.stats()["compile_seconds"] == 0.0
+
+
+@pytest.mark.parametrize("rollout_calls, stops", [(1, False), (5, True)])
+def test_auto_prices_every_kept_row_against_the_rows_served(monkeypatch, rollout_calls, stops):
+    """auto prices the step as the loop runs it: each row the rollout kept costs the program's forward instead of
+    native's, and only the rows the update served save native's forward and backward. Per row here the program
+    takes 1 s to keep and 1 s to serve, native 0.5 s forward and 3 s forward and backward: one kept call per served
+    call saves time (6 s against 10.5 s), five cost it (18 s against 16.5 s)."""
+    runtime = sys.modules["leancompile.wrapping.wrap_runtime"]
+    monkeypatch.setattr(runtime, "program_seconds_per_row", lambda records, action: 1.0)
+    monkeypatch.setattr(runtime, "forward_seconds", lambda *_: 0.5 * 3)  # the calls have 3 rows
+    monkeypatch.setattr(runtime, "update_seconds", lambda *_: 3.0 * 3)
+    monkeypatch.setattr(auto, "AUTO_FLOOR", FLOOR)
+    module, inputs = _sd3()
+    wrapped = leancompile.wrap(module, schedule="auto")
+    optimizer = torch.optim.SGD(wrapped.parameters(), lr=1e-3)
+    with torch.no_grad():  # the rollout's steps, at other timesteps but the first
+        for step in range(rollout_calls):
+            wrapped(**{**inputs, "timestep": inputs["timestep"] + step}, return_dict=False)
+    _update(wrapped, **inputs)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        optimizer.step()
+    stopped = wrapped.stats()["stopped"]
+    assert (stopped is not None) == stops, stopped
+    said = [str(w.message) for w in caught if "auto:" in str(w.message)]
+    assert len(said) == stops and all(f"{3 * rollout_calls} kept and 3 served rows" in m for m in said), said
 
 
 def test_an_engine_that_fails_leaves_the_loop_running_natively_and_says_why(monkeypatch):

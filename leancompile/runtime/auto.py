@@ -8,6 +8,7 @@ more than ``AUTO_FLOOR`` allows, the caller runs natively from then on and says 
 """
 from __future__ import annotations
 
+import statistics
 import time
 
 import torch
@@ -24,11 +25,10 @@ def slower(program: float, native: float) -> bool:
 
 
 def program_seconds_per_row(records, action: str) -> float:
-    """The program's seconds per row of its calls recorded as ``action`` ("kept": a forward and its keep;
-    "served": a backward), each past its first, which traces (0: none timed)."""
-    timed = [r for r in records if r.action == action and r.seconds > 0]
-    timed = timed[1:] or timed
-    return sum(r.seconds for r in timed) / max(sum(r.rows for r in timed), 1)
+    """The program's median seconds per row over its calls recorded as ``action`` ("kept": a forward and its keep;
+    "served": a backward); compile time is not in a record's (0: none timed)."""
+    timed = [r.seconds / r.rows for r in records if r.action == action and r.seconds > 0 and r.rows]
+    return statistics.median(timed) if timed else 0.0
 
 
 def forward_seconds(module: torch.nn.Module, args: tuple, kwargs: dict) -> float:

@@ -55,7 +55,8 @@ def no_stats() -> dict:
     run natively, auto's fallback, a refused framework), so that a loop reads the same keys whatever happened.
     ``stopped``: why nothing is kept any more, where that was decided (auto measured native faster, or the update
     served none of its rollouts' calls)."""
-    return {**StepLog().stats(), **dict.fromkeys(HELD, 0), "check_seconds": 0.0, "stopped": None}
+    return {**StepLog().stats(), **dict.fromkeys(HELD, 0), "check_seconds": 0.0, "compile_seconds": 0.0,
+            "stopped": None}
 
 
 @dataclass
@@ -116,6 +117,7 @@ class ReuseEngine:
         self._answered: set = set()
         self._same: dict[tuple, bool] = {}  # (kept program key, call's key) -> whether both are the same graphs
         self.check_seconds = 0.0  # spent reading states, digesting rows, looking up and verifying this step
+        self._compile_taken = 0.0  # compiled_seconds when the statistics were last taken
         # Told (with the error) where a served call's backward raises, which then recomputes natively; None: it raises
         self.failed = None
 
@@ -183,6 +185,11 @@ class ReuseEngine:
         """Why a call like ``call`` cannot be kept by its one-row program (compiled now if it is not yet)."""
         return self.rowwise[1.0].program(self.reader.read(call).compile_key, call).refusal
 
+    @property
+    def compiled_seconds(self) -> float:
+        """Seconds its programs spent compiling and tracing, in all."""
+        return sum(rowwise.compile_seconds for rowwise in self.rowwise.values())
+
     def _clock(self, device: torch.device) -> float:
         """Now, once the device has finished what was queued where the program's time is measured (``timed``)."""
         if self.timed and device.type == "cuda":
@@ -229,9 +236,9 @@ class ReuseEngine:
             kind = "compile failed" if program.failed else "not keepable"
             self.log.records.append(CallRecord("not kept", call.batch, refusal, kind))
             return self.native(*call.args, **call.kwargs)
-        began = self._clock(call.device)
+        began, compiled = self._clock(call.device), self.compiled_seconds
         output, saved = self.schedule_runtime.forward(self, rowwise, key, call)
-        seconds = self._clock(call.device) - began
+        seconds = self._clock(call.device) - began - (self.compiled_seconds - compiled)  # the program's run alone
         start = time.perf_counter()
         kept = self.store.add(state, call, output=output, layout=program.output, rowwise=rowwise, key=key)
         self.check_seconds += time.perf_counter() - start
@@ -338,7 +345,9 @@ class ReuseEngine:
     def take_stats(self) -> dict:
         """What happened since the last time: calls served and recomputed and why, peak bytes held, check time."""
         stats = {**no_stats(), **self.log.stats(), self.schedule_runtime.held: self.store.take_peak(),
-                 "check_seconds": self.check_seconds}
+                 "check_seconds": self.check_seconds,
+                 "compile_seconds": self.compiled_seconds - self._compile_taken}
+        self._compile_taken = self.compiled_seconds
         self.log.records.clear()
         self.check_seconds = 0.0
         return stats
@@ -364,7 +373,7 @@ class _Served(torch.autograd.Function):
     @staticmethod
     def backward(ctx, cotangent):
         engine, match = ctx.engine, ctx.match
-        began = engine._clock(cotangent.device)
+        began, compiled = engine._clock(cotangent.device), engine.compiled_seconds
         reason, kind = "its cotangent is not in the span of those the rollout backpropagated", "cotangent"
         try:
             grads = engine.schedule_runtime.gradients(engine, match, cotangent, ctx.inputs, ctx.context)
@@ -373,7 +382,7 @@ class _Served(torch.autograd.Function):
                 raise
             engine.failed(error)
             grads, reason, kind = None, f"its backward failed ({type(error).__name__}: {error})", "unsupported"
-        ctx.record.seconds = engine._clock(cotangent.device) - began
+        ctx.record.seconds = engine._clock(cotangent.device) - began - (engine.compiled_seconds - compiled)
         if grads is None:
             ctx.record.action, ctx.record.kind, ctx.record.reason = "recomputed", kind, reason
             grads = _native_gradients(engine, ctx.call, match, cotangent, ctx.inputs)

@@ -342,7 +342,7 @@ class RegionalEngine:
 
     def _summed(self, stats: dict, blocks: list[dict]) -> dict:
         stats = {**no_stats(), **stats}
-        for name in (*HELD, "check_seconds"):
+        for name in (*HELD, "check_seconds", "compile_seconds"):
             stats[name] = sum(s[name] for s in blocks)
         self.log.records.clear()
         return stats

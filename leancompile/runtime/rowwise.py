@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -87,6 +88,7 @@ class RowwiseBackbone:
         self._programs: dict[tuple, RowProgram] = programs if programs is not None else {}
         self._forwards: dict[tuple, torch.fx.GraphModule] = {}
         self._backwards: dict[tuple, torch.fx.GraphModule] = {}
+        self.compile_seconds = 0.0  # spent compiling and tracing its programs, in all
         self.forward_graph: torch.fx.GraphModule | None = None  # the last traced, for inspection
         self.backward_graph: torch.fx.GraphModule | None = None
 
@@ -114,14 +116,23 @@ class RowwiseBackbone:
     def program(self, key: tuple, call: Call) -> RowProgram:
         """The batch-1 partition for the row signature ``key`` (compiled from the call's first row on first use)."""
         if key not in self._programs:
+            start = time.perf_counter()
             try:
-                with restored_on_failure(*self._modules()):
+                with restored_on_failure(*self._modules()), self._compiling_timed(start):
                     self._programs[key] = self._partition(call)
             except Exception as error:  # what cannot be compiled at one row runs natively, and says why
                 self._programs[key] = RowProgram(None, None, (), (), None, "",
                                                  f"one row does not compile ({type(error).__name__}: {error})",
                                                  failed=not isinstance(error, NotRowLaid))
         return self._programs[key]
+
+    @contextlib.contextmanager
+    def _compiling_timed(self, start: float):
+        """Counts the time from ``start`` to the block's end (raising or not) as compile time."""
+        try:
+            yield
+        finally:
+            self.compile_seconds += time.perf_counter() - start
 
     def _modules(self) -> list[torch.nn.Module]:
         """The module and the copy it is traced through (one where it has none)."""
@@ -201,12 +212,13 @@ class RowwiseBackbone:
                 # by whether a tensor requires grad (a weight cast by autocast requires it only with grad).
                 grad = torch.no_grad() if forward else contextlib.nullcontext()
                 # once per shape, like the partition: whatever raises puts the module back (runtime.snapshot)
-                with torch.autocast(device.type, enabled=False), _quiet_vmap_fallback(), grad, \
-                        restored_on_failure(*self._modules()):
-                    gm = make_fx(fn, EAGER_DECOMPOSITIONS, tracing_mode="fake")(*args)
-                name = (f"{'forward' if forward else 'backward'} over {key[1]} rows"
-                        + (", gradients per row" if not forward and key[2] else ""))
-                pipeline.run(pipeline.TRACED_ROWS, gm, name, self.history, forward, self.tune_matmuls)
+                with self._compiling_timed(time.perf_counter()):
+                    with torch.autocast(device.type, enabled=False), _quiet_vmap_fallback(), grad, \
+                            restored_on_failure(*self._modules()):
+                        gm = make_fx(fn, EAGER_DECOMPOSITIONS, tracing_mode="fake")(*args)
+                    name = (f"{'forward' if forward else 'backward'} over {key[1]} rows"
+                            + (", gradients per row" if not forward and key[2] else ""))
+                    pipeline.run(pipeline.TRACED_ROWS, gm, name, self.history, forward, self.tune_matmuls)
                 _TRACES[shared] = gm
                 while len(_TRACES) > _TRACES_KEPT:
                     _TRACES.popitem(last=False)

@@ -5,7 +5,7 @@ them, auto's measurement against native, and the look back at each optimizer ste
 from __future__ import annotations
 
 import functools
-import math
+import statistics
 import warnings
 from collections import Counter
 
@@ -17,6 +17,7 @@ from ..backbones.plain import fsdp1_unit, fully_sharded, named_weights
 from ..passes.pipeline import PassHistory
 from ..plan import AUTO, Action, Schedule, StepAction
 from ..request import Request
+from ..runtime import auto as timing
 from ..runtime.auto import forward_seconds, program_seconds_per_row, slower, update_seconds
 from ..runtime.bitwise import BitwiseRetain
 from ..runtime.calls import Call, bound, named_forward
@@ -29,6 +30,9 @@ from ..schedules import SCHEDULES
 from .watch import FIXES, REGISTRATIONS, NothingServedError, NothingServedWarning, watch
 from .wrapped import RUNTIME, untraced, wrapped_class
 
+
+# auto: native is timed on this many kept calls and served calls each (beside the program: like with like)
+NATIVE_SAMPLES = 3
 
 # Rollouts in a row whose kept calls served none of the update's, after which nothing more is kept
 BARREN_ROLLOUTS = 2
@@ -71,11 +75,12 @@ class WrapRuntime:
         self.engine, self.policy = build_engine(module, self.request)
         for engine in getattr(self.engine, "engines", (self.engine,)):  # a served backward that raises
             engine.failed = functools.partial(self.failed, stacklevel=2)
-        # auto: native's time per row for a kept call without grad and again with grad and its backward, measured
-        # at the first kept call and compared with the program's own once calls were served (nan: not measured;
-        # the whole-call engine only)
+        # auto (the whole-call engine only): native's seconds per row, timed right after the program ran the same
+        # call (a kept call's forward without grad; a served call's forward with grad and its backward), on the
+        # first NATIVE_SAMPLES of each; weighed once calls were served, then None
         auto = self.request.schedule == AUTO and isinstance(self.engine, ReuseEngine)
-        self.native_seconds: float | None = None if auto else math.nan
+        self.native: dict[str, list[float]] | None = {"kept": [], "served": []} if auto else None
+        self.checks = 0.0  # the engine's check seconds in the calls since the last optimizer step
 
     @property
     def serving(self) -> "WrapRuntime":
@@ -97,16 +102,17 @@ class WrapRuntime:
             args, kwargs = bound(named_forward(module), args, kwargs)
             if self._descends(module, args, kwargs):
                 return self._natively(module, args, kwargs)
-            log = self.engine.log
-            seen = len(log.records)
+            log, engine = self.engine.log, self.engine
+            seen, checks = len(log.records), engine.check_seconds
             try:
-                return self.engine(*args, **kwargs)
+                return engine(*args, **kwargs)
             finally:
                 made = log.records[seen:]
                 self.window.extend(made)
+                self.checks += engine.check_seconds - checks
                 self._warn_failed_compiles(made)
-                if self.native_seconds is None and any(r.action == "kept" for r in made):
-                    self.native_seconds = _native_seconds(module, self.trainable, args, kwargs)
+                if self.native is not None:
+                    self._time_natively(module, made, args, kwargs)
         except Exception as error:  # never break a loop that runs natively: run it so, and say why
             if self.refusal is not None or _INSIDE[0] > 1:
                 raise
@@ -214,21 +220,41 @@ class WrapRuntime:
         self.notes = []
         return stats
 
+    def _time_natively(self, module: torch.nn.Module, made: list[CallRecord], args: tuple, kwargs: dict) -> None:
+        """auto: native's seconds per row for this call where the program just kept or served it and fewer than
+        ``NATIVE_SAMPLES`` such calls were timed: right after the program, so that both run under the same load."""
+        for action, native in (("kept", lambda: forward_seconds(module, args, kwargs)),
+                               ("served", lambda: update_seconds(module, self.trainable, args, kwargs))):
+            rows = sum(r.rows for r in made if r.action == action)
+            if rows and len(self.native[action]) < NATIVE_SAMPLES:
+                self.native[action].append(native() / rows)
+
     def _weigh(self, window: list[CallRecord]) -> None:
-        """auto, at the first optimizer step after served calls: where the program's own time per row (a kept call's
-        forward and its served backward, each past its first, which traces) is above native's by more than
-        ``runtime.auto.AUTO_FLOOR`` allows, keep nothing more: the loop runs natively from then on, and says why."""
-        if self.native_seconds is None or math.isnan(self.native_seconds) or self.policy.stopped:
+        """auto, once, at the first optimizer step after served calls: the program's time for the window's kept and
+        served rows (each kind's median seconds per row, compile excluded, and the engine's checks) against
+        native's for the same rows (its medians, timed beside the program's). Where the program is slower than
+        native beyond ``runtime.auto.AUTO_FLOOR``, nothing more is kept: the loop runs natively from then on, and
+        says why; otherwise the verdict, with the steps its compile takes to repay, is noted in ``last_calls``."""
+        if self.native is None or self.policy.stopped or not all(self.native.values()):
             return
-        program = sum(program_seconds_per_row(window, action) for action in ("kept", "served"))
-        native, self.native_seconds = self.native_seconds, math.nan  # weighed once
-        if slower(program, native):
-            self.policy.stop(f"auto: the per-row program took {program * 1e3:.3g} ms a row (kept forward and "
-                             f"served backward), native {native * 1e3:.3g} ms a row (forward without grad, forward "
-                             "and backward with grad): the module runs natively from now on")
-            self.engine.release(self.policy.stopped)
-            self.notes.append(CallRecord("native", 0, self.policy.stopped, "auto"))
-            warnings.warn(f"leancompile.wrap: {self.policy.stopped}", NothingServedWarning, stacklevel=5)
+        rows = {action: sum(r.rows for r in window if r.action == action) for action in self.native}
+        native = sum(rows[action] * statistics.median(times) for action, times in self.native.items())
+        program = sum(rows[action] * program_seconds_per_row(window, action) for action in rows) + self.checks
+        samples = min(map(len, self.native.values()))
+        self.native = None  # weighed once
+        compiled = self.engine.compiled_seconds
+        verdict = (f"auto: this step's {rows['kept']} kept and {rows['served']} served rows took the per-row program "
+                   f"{program * 1e3:.3g} ms (forwards and keeps, backwards, checks), native {native * 1e3:.3g} ms "
+                   f"(timed beside the program on {samples}+ calls of each): {native / program:.2f}x")
+        if not slower(program, native):
+            repaid = f", repaid after {compiled / (native - program):.0f} such steps" if native > program else ""
+            self.notes.append(CallRecord("weighed", 0, f"{verdict}; the compile took {compiled:.1f} s{repaid}",
+                                         "auto"))
+            return
+        self.policy.stop(f"{verdict}, below the floor of {timing.AUTO_FLOOR}x: the module runs natively from now on")
+        self.engine.release(self.policy.stopped)
+        self.notes.append(CallRecord("native", 0, self.policy.stopped, "auto"))
+        warnings.warn(f"leancompile.wrap: {self.policy.stopped}", NothingServedWarning, stacklevel=5)
 
     def _stop_keeping(self, with_grad: list[CallRecord]) -> None:
         """The calls kept in the last rollouts served none of the update's: keeping them costs the per-row program's
@@ -246,7 +272,7 @@ class WrapRuntime:
     def stepped(self) -> None:
         """An optimizer step over the module's weights: warn once per cause where the calls with grad since the
         previous step were all recomputed (or none was seen while the weights have gradients)."""
-        window, self.window = self.window, []
+        window, self.window, self.checks = self.window, [], 0.0
         if self.below is not None:
             below = self.below[1].__dict__[RUNTIME]
             window, below.window = window + below.window, []
@@ -287,14 +313,6 @@ def _commonest(records: list[CallRecord]) -> tuple[str, str, str]:
     """The commonest kind of recompute among ``records``, its first reason, and its fix."""
     kind = Counter(r.kind for r in records).most_common(1)[0][0]
     return kind, next(r.reason for r in records if r.kind == kind), FIXES.get(kind, "see last_calls")
-
-
-def _native_seconds(module: torch.nn.Module, trainable: list, args: tuple, kwargs: dict) -> float:
-    """Native's time per row for this call: the rollout's forward without grad, and the update's forward with grad
-    and its backward (:mod:`leancompile.runtime.auto`), each the faster of two (the first may warm caches)."""
-    seconds = (min(forward_seconds(module, args, kwargs) for _ in range(2))
-               + min(update_seconds(module, trainable, args, kwargs) for _ in range(2)))
-    return seconds / max(_rows(args), 1)
 
 
 def _rows(args: tuple) -> int:
