@@ -13,7 +13,7 @@ import torch
 from .cases import FAMILIES, QUICK_PAIRS, TRAINERS, TUNINGS, cases
 from .equivalence import train_side_by_side
 from .jobs import run_tasks, single_threaded
-from .loops import LOOPS, QUICK_LOOPS, loops_markdown, measure_loop, on_policy, on_policy_markdown
+from .loops import LOOPS, QUICK_LOOPS, loops_markdown, measure_loop_runs, on_policy, on_policy_markdown
 from .measure import measure_case
 from .report import equivalence_markdown, machine_line, markdown_table, write_results
 
@@ -50,6 +50,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--loops", nargs="*", choices=tuple(LOOPS), default=None,
                         help="the drop-in loops to time with leancompile.wrap (default: " + ", ".join(QUICK_LOOPS)
                              + "; all with --grid or --full; none: --loops with no name)")
+    parser.add_argument("--loops-only", action="store_true",
+                        help="time the loops alone: no backbone cases (with --equivalence-steps 0, nothing else)")
+    parser.add_argument("--runs", type=int, default=1,
+                        help="measure each loop this many times (auto's floor is checked in every run; default 1)")
     parser.add_argument("--equivalence-steps", type=int, default=20,
                         help="GRPO steps of the native-vs-auto training run on digits, float64 and bf16 (0: skip)")
     parser.add_argument("--tunings", nargs="+", choices=TUNINGS, default=None,
@@ -67,6 +71,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error(f"--repetitions must be >= 1; got {args.repetitions}")
     if not args.min_seconds >= 0:
         parser.error(f"--min-seconds must be >= 0; got {args.min_seconds}")
+    if args.runs < 1:
+        parser.error(f"--runs must be >= 1; got {args.runs}")
     if args.jobs < 1:
         parser.error(f"--jobs must be >= 1; got {args.jobs}")
     if args.jobs > 1 and args.device == "cuda":
@@ -92,10 +98,10 @@ def main(argv=None) -> int:
     single_threaded()
     repetitions = args.repetitions or (FULL_REPETITIONS if args.full else QUICK_REPETITIONS)
     start = time.perf_counter()
-    measured = selected_cases(args)
+    measured = [] if args.loops_only else selected_cases(args)
     tasks = [(measure_case, case, repetitions, tuple(args.schedules), args.min_seconds) for case in measured]
     loops = args.loops if args.loops is not None else (list(LOOPS) if args.grid or args.full else list(QUICK_LOOPS))
-    tasks += [(measure_loop, name, repetitions, args.device) for name in loops]
+    tasks += [(measure_loop_runs, name, repetitions, args.device, args.runs) for name in loops]
     tasks += [(on_policy, precision, args.device) for precision in (("float32", "bf16") if loops else ())]
     if args.equivalence_steps > 0:
         tasks += [(train_side_by_side, args.equivalence_steps, precision) for precision in ("float64", "bf16")]
