@@ -16,6 +16,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 # Tiny models gain nothing from intra-op threads, and lose much when the cores are shared.
 torch.set_num_threads(1)
 
+# Each test compiles its own programs: the on-disk program cache (runtime.program_cache) would let one test's
+# entries answer another's compile, past the failures some tests inject into it. tests/test_program_cache.py
+# turns it on in a folder of its own.
+os.environ["LEANCOMPILE_CACHE"] = "0"
+
 # CI explores a fixed sample of each property (reproducible landings); runs elsewhere draw new examples. No
 # deadline: the test files run in parallel worker processes, and a slow example is not a wrong one.
 settings.register_profile("ci", derandomize=True, print_blob=True, deadline=None)

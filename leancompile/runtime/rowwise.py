@@ -32,6 +32,7 @@ from ..passes import pipeline
 from ..passes.eager_bits import EAGER_DECOMPOSITIONS, keeping_whole
 from ..passes.graph import reading_data
 from ..passes.rowwise import random_operators
+from . import program_cache
 from .calls import Call, OutputLayout, output_layout
 from .snapshot import restored_on_failure
 
@@ -138,13 +139,15 @@ class RowwiseBackbone:
         """The module and the copy it is traced through (one where it has none)."""
         return list({id(m): m for m in (self.backbone, self.traced)}.values())
 
-    def _partition(self, call: Call) -> RowProgram:
+    def _partition(self, call: Call, stored: bool = True) -> RowProgram:
+        """The one-row partition of ``call``: read from the program cache where its joint graph was partitioned
+        before (``stored``), else partitioned, its passes run, and written there."""
         # AOTAutograd imports torch._dynamo (most of a second): on the first compile, not with leancompile.
         from functorch.compile import make_boxed_func
         from torch._functorch.aot_autograd import aot_function
         from torch._functorch.partitioners import min_cut_rematerialization_partition
 
-        traced, graphs, outputs = self.traced, {}, []
+        traced, graphs, outputs, names, recorded = self.traced, {}, [], [], len(self.history.records)
 
         def forward(params, buffers, *tensors):
             args, kwargs = call.with_tensors(tensors)
@@ -163,8 +166,17 @@ class RowwiseBackbone:
                 return make_boxed_func(gm)
             return compiler
 
+        def partition(joint, joint_inputs, **kwargs):
+            """The joint graph is the cache's key: what the module computes, as traced now."""
+            names.append(program_cache.key("partition", _digest(joint), _placeholders(joint), sorted(kwargs.items()),
+                                           self.memory_budget, self.tune_matmuls))
+            entry = program_cache.load(names[-1]) if stored else None
+            if entry is not None:
+                raise _Stored(entry)
+            return min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
+
         compiled = aot_function(forward, fw_compiler=keep("forward"), bw_compiler=keep("backward"),
-                                partition_fn=min_cut_rematerialization_partition)
+                                partition_fn=partition)
         # Traced on fake copies: compiling computes nothing and touches no parameter's .grad.
         fake = FakeTensorMode(allow_non_fake_inputs=True)
         self._refresh()
@@ -176,11 +188,18 @@ class RowwiseBackbone:
                        if self.input_grads and row and t.is_floating_point())
         for i in inputs:
             data[i].requires_grad_()
-        with fake, without_checkpointing(traced), _compiling(), torch.enable_grad(), \
-                functorch_config.patch(activation_memory_budget=self.memory_budget):
-            out = compiled(params, buffers, *data)
-            wrt = [p for p in params.values() if p.requires_grad] + [data[i] for i in inputs]
-            torch.autograd.grad(out, wrt, torch.zeros_like(out), allow_unused=True)  # compiles the backward graph
+        try:
+            with fake, without_checkpointing(traced), _compiling(), torch.enable_grad(), \
+                    functorch_config.patch(activation_memory_budget=self.memory_budget):
+                out = compiled(params, buffers, *data)
+                wrt = [p for p in params.values() if p.requires_grad] + [data[i] for i in inputs]
+                torch.autograd.grad(out, wrt, torch.zeros_like(out), allow_unused=True)  # compiles the backward
+        except _Stored as hit:
+            program = _read_program(hit.entry, outputs[0])
+            if program is None:  # it did not rebuild to the graphs it was stored as: compiled here instead
+                return self._partition(call, stored=False)
+            self.history.records.extend(hit.entry["history"])
+            return program
         fw, bw = graphs["forward"], graphs["backward"]
         refusal = None
         if out.dim() == 0 or out.shape[0] != 1:
@@ -194,36 +213,52 @@ class RowwiseBackbone:
         trainable = tuple(i for i, r in enumerate(results[:weights]) if r is not None)
         input_grads = tuple(i for i in inputs if results[weights + i] is not None)
         per_row = _reads_data(fw, weights)
-        return RowProgram(fw, bw, trainable, per_row, outputs[0], _digest(fw, bw), refusal, input_grads,
-                          _weight_part(fw, weights, per_row))
+        program = RowProgram(fw, bw, trainable, per_row, outputs[0], _digest(fw, bw), refusal, input_grads,
+                             _weight_part(fw, weights, per_row))
+        _store_program(names[0], program, self.history.records[recorded:])
+        return program
 
     def _traced(self, cache: dict, key: tuple, fn, args, forward: bool = False) -> torch.fx.GraphModule:
         """``fn`` traced on ``args``; shared by every backbone whose program has the same digest (the weights are
-        inputs: two trainers of one architecture trace once)."""
+        inputs: two trainers of one architecture trace once), and with later processes through the program
+        cache."""
         if key not in cache:
             leaves = [a for arg in args for a in (arg if isinstance(arg, list) else [arg])]
             shared = (self._programs[key[0]].digest, key[1:], self.tune_matmuls,
                       tuple((tuple(t.shape), t.dtype, t.device) for t in leaves))
             if shared not in _TRACES:
-                # Kernels without a batching rule (the CPU attention kernels) trace as one call per row, which
-                # fold_per_row_calls folds back into one. PyTorch warns about it; it is expected here.
-                device = leaves[-1].device  # the last data input (forward) or the cotangent (backward)
-                # A forward is traced without grad, as the rollout's calls it answers run: eager picks some kernels
-                # by whether a tensor requires grad (a weight cast by autocast requires it only with grad).
-                grad = torch.no_grad() if forward else contextlib.nullcontext()
-                # once per shape, like the partition: whatever raises puts the module back (runtime.snapshot)
                 with self._compiling_timed(time.perf_counter()):
-                    with torch.autocast(device.type, enabled=False), _quiet_vmap_fallback(), grad, \
-                            restored_on_failure(*self._modules()):
-                        gm = make_fx(fn, EAGER_DECOMPOSITIONS, tracing_mode="fake")(*args)
-                    name = (f"{'forward' if forward else 'backward'} over {key[1]} rows"
-                            + (", gradients per row" if not forward and key[2] else ""))
-                    pipeline.run(pipeline.TRACED_ROWS, gm, name, self.history, forward, self.tune_matmuls)
-                _TRACES[shared] = gm
+                    _TRACES[shared] = self._read_trace(shared, forward) or self._trace(shared, key, fn, args, forward)
                 while len(_TRACES) > _TRACES_KEPT:
                     _TRACES.popitem(last=False)
             cache[key] = _TRACES[shared]
         return cache[key]
+
+    def _read_trace(self, shared: tuple, forward: bool) -> torch.fx.GraphModule | None:
+        entry = program_cache.load(program_cache.key("rows", shared, forward))
+        if entry is None:
+            return None
+        self.history.records.extend(entry["history"])
+        return program_cache.rebuild(entry["graph"])
+
+    def _trace(self, shared: tuple, key: tuple, fn, args, forward: bool) -> torch.fx.GraphModule:
+        # Kernels without a batching rule (the CPU attention kernels) trace as one call per row, which
+        # fold_per_row_calls folds back into one. PyTorch warns about it; it is expected here.
+        device = args[-1].device  # the last data input (forward) or the cotangent (backward)
+        # A forward is traced without grad, as the rollout's calls it answers run: eager picks some kernels by
+        # whether a tensor requires grad (a weight cast by autocast requires it only with grad).
+        grad = torch.no_grad() if forward else contextlib.nullcontext()
+        # once per shape, like the partition: whatever raises puts the module back (runtime.snapshot)
+        with torch.autocast(device.type, enabled=False), _quiet_vmap_fallback(), grad, \
+                restored_on_failure(*self._modules()):
+            gm = make_fx(fn, EAGER_DECOMPOSITIONS, tracing_mode="fake")(*args)
+        recorded = len(self.history.records)
+        name = (f"{'forward' if forward else 'backward'} over {key[1]} rows"
+                + (", gradients per row" if not forward and key[2] else ""))
+        pipeline.run(pipeline.TRACED_ROWS, gm, name, self.history, forward, self.tune_matmuls)
+        _store(program_cache.key("rows", shared, forward),
+               lambda: {"graph": program_cache.dump(gm), "history": self.history.records[recorded:]})
+        return gm
 
     # -------------------------------------------------------------------------------------------- run
 
@@ -345,6 +380,48 @@ def _weight_part(fw: torch.fx.GraphModule, weights: int, per_row: tuple[bool, ..
             env[node] = graph.node_copy(node, env.__getitem__)
     graph.output(tuple(env[n] for n in wanted))
     return torch.fx.GraphModule(fw, graph)
+
+
+class _Stored(Exception):
+    """Raised out of AOTAutograd where the joint graph's partition is in the program cache: the rest is read."""
+
+    def __init__(self, entry: dict):
+        self.entry = entry
+
+
+def _placeholders(gm: torch.fx.GraphModule) -> tuple:
+    """Each input's name, shape, stride, dtype, device and whether it requires grad (not in the graph's code)."""
+    vals = [(n.name, n.meta.get("val")) for n in gm.graph.find_nodes(op="placeholder")]
+    return tuple((name, tuple(v.shape), v.stride(), v.dtype, v.device, v.requires_grad)
+                 if isinstance(v, torch.Tensor) else (name, repr(v)) for name, v in vals)
+
+
+def _store_program(name: str, program: RowProgram, history: list) -> None:
+    _store(name, lambda: {"fields": {f: getattr(program, f) for f in _STORED_FIELDS},
+                          "graphs": {g: program_cache.dump(getattr(program, g)) for g in _STORED_GRAPHS},
+                          "history": history})
+
+
+def _store(name: str, entry) -> None:
+    """Write the entry ``entry()`` makes, unless its graphs cannot be stored by name (then it is compiled again
+    in the next process)."""
+    try:
+        made = entry()
+    except program_cache.Unstorable:
+        return
+    program_cache.store(name, made)
+
+
+_STORED_GRAPHS = ("forward", "backward", "weight_saved")
+_STORED_FIELDS = ("trainable", "per_row", "digest", "refusal", "input_grads")
+
+
+def _read_program(entry: dict, output: OutputLayout) -> RowProgram | None:
+    """The stored program with this trace's output layout, or None where its graphs do not rebuild to the digest
+    they were stored with."""
+    graphs = {g: program_cache.rebuild(entry["graphs"][g]) for g in _STORED_GRAPHS}
+    program = RowProgram(output=output, **graphs, **entry["fields"])
+    return program if _digest(program.forward, program.backward) == program.digest else None
 
 
 def _digest(*graphs: torch.fx.GraphModule) -> str:
