@@ -73,9 +73,9 @@ class FlowGRPOFlux:
         its dtype."""
         rows = latents.shape[0]
         return self.transformer(hidden_states=latents, encoder_hidden_states=self.embeds[samples],
-                                pooled_projections=self.pooled[samples],
-                                timestep=sigma.expand(rows), guidance=torch.full((rows,), self.setup.guidance,
-                                                                                 dtype=sigma.dtype, device=sigma.device),
+                                pooled_projections=self.pooled[samples], timestep=sigma.expand(rows),
+                                guidance=torch.full((rows,), self.setup.guidance, dtype=sigma.dtype,
+                                                    device=sigma.device),
                                 txt_ids=self.txt_ids, img_ids=self.img_ids, return_dict=False)[0]
 
     def rollout(self, noise):

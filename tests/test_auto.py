@@ -114,7 +114,7 @@ def test_auto_falls_back_to_native_where_the_program_measures_slower(monkeypatch
     native.step([1, 2])
     fell_back = [w for w in caught if "runs natively from the next step on" in str(w.message)]
     if falls_back:
-        assert "below the floor of 0.97x" in first["stopped"] and second["stopped"] == first["stopped"]
+        assert "slower than native" in first["stopped"] and second["stopped"] == first["stopped"]
         assert len(fell_back) == 1 and optimized._engine is None
         assert second["served_calls"] == 0 and set(second) == set(first), (first, second)  # one schema
     else:
@@ -136,7 +136,7 @@ def test_the_program_time_per_row_is_the_median_over_its_calls(monkeypatch):
     assert auto.program_seconds_per_row(records, "kept") == pytest.approx(0.03)
     assert auto.program_seconds_per_row(records, "served") == pytest.approx(0.015)
     assert auto.program_seconds_per_row(records, "recomputed") == 0.0
-    assert auto.slower(1.0, 0.96) and not auto.slower(1.0, 0.98)
+    assert auto.slower(1.0, 0.99) and not auto.slower(1.0, 1.0)  # measured no slower: kept
 
 
 def auto_record(action, rows, seconds):

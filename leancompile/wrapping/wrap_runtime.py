@@ -17,7 +17,6 @@ from ..backbones.plain import fsdp1_unit, fully_sharded, named_weights
 from ..passes.pipeline import PassHistory
 from ..plan import AUTO, Action, Schedule, StepAction
 from ..request import Request
-from ..runtime import auto as timing
 from ..runtime.auto import forward_seconds, program_seconds_per_row, slower, update_seconds
 from ..runtime.bitwise import BitwiseRetain
 from ..runtime.calls import Call, bound, named_forward
@@ -229,17 +228,17 @@ class WrapRuntime:
             if rows and len(self.native[action]) < NATIVE_SAMPLES:
                 self.native[action].append(native() / rows)
 
-    def _weigh(self, window: list[CallRecord]) -> None:
+    def _weigh(self, window: list[CallRecord], checks: float) -> None:
         """auto, once, at the first optimizer step after served calls: the program's time for the window's kept and
         served rows (each kind's median seconds per row, compile excluded, and the engine's checks) against
-        native's for the same rows (its medians, timed beside the program's). Where the program is slower than
-        native beyond ``runtime.auto.AUTO_FLOOR``, nothing more is kept: the loop runs natively from then on, and
+        native's for the same rows (its medians, timed beside the program's). Where the program is measured slower
+        (:func:`leancompile.runtime.auto.slower`), nothing more is kept: the loop runs natively from then on, and
         says why; otherwise the verdict, with the steps its compile takes to repay, is noted in ``last_calls``."""
         if self.native is None or self.policy.stopped or not all(self.native.values()):
             return
         rows = {action: sum(r.rows for r in window if r.action == action) for action in self.native}
         native = sum(rows[action] * statistics.median(times) for action, times in self.native.items())
-        program = sum(rows[action] * program_seconds_per_row(window, action) for action in rows) + self.checks
+        program = sum(rows[action] * program_seconds_per_row(window, action) for action in rows) + checks
         samples = min(map(len, self.native.values()))
         self.native = None  # weighed once
         compiled = self.engine.compiled_seconds
@@ -251,7 +250,7 @@ class WrapRuntime:
             self.notes.append(CallRecord("weighed", 0, f"{verdict}; the compile took {compiled:.1f} s{repaid}",
                                          "auto"))
             return
-        self.policy.stop(f"{verdict}, below the floor of {timing.AUTO_FLOOR}x: the module runs natively from now on")
+        self.policy.stop(f"{verdict}, slower than native: the module runs natively from now on")
         self.engine.release(self.policy.stopped)
         self.notes.append(CallRecord("native", 0, self.policy.stopped, "auto"))
         warnings.warn(f"leancompile.wrap: {self.policy.stopped}", NothingServedWarning, stacklevel=5)
@@ -272,7 +271,7 @@ class WrapRuntime:
     def stepped(self) -> None:
         """An optimizer step over the module's weights: warn once per cause where the calls with grad since the
         previous step were all recomputed (or none was seen while the weights have gradients)."""
-        window, self.window, self.checks = self.window, [], 0.0
+        window, self.window, checks, self.checks = self.window, [], self.checks, 0.0
         if self.below is not None:
             below = self.below[1].__dict__[RUNTIME]
             window, below.window = window + below.window, []
@@ -282,7 +281,7 @@ class WrapRuntime:
         # a window without kept calls (the second optimizer step on one rollout) leaves the count as it is
         self.barren = 0 if served else self.barren + any(r.action == "kept" for r in window)
         if served:
-            self._weigh(window)
+            self._weigh(window, checks)
             return
         if self.policy.stopped:  # auto chose native, or the rollouts' calls served nothing, and it said so
             return
