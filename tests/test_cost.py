@@ -314,6 +314,7 @@ def test_leancompile_plan_names_the_sharding_and_whether_retain_per_block_fits(c
     assert "all-gathers per GRPO step (FSDP1 FULL_SHARD)" in out and "gathered blocks" in out
     line = next(line for line in out.splitlines() if "Retain per block (FSDP1 FULL_SHARD)" in line)
     assert line.endswith(("fits", "does not fit"))
+    assert "auto runs native" in out or "(per block)" in out
     with pytest.raises(SystemExit):
         cli(["plan", *settings, "--sharding", "zero2"])
     assert "'zero3'" in capsys.readouterr().err  # the known ones named

@@ -375,8 +375,8 @@ def plan(s: Scenario, device: Device, budget: int | None = None, *, estimators: 
         whole = _auto(model, others)
         if whole.fits and (not auto.fits or whole.seconds < auto.seconds):
             auto = whole
-        if auto.runs is Schedule.RETAIN:
-            auto = replace(auto, note=f"{auto.note} ({'per block' if auto.per_block else 'on the gathered weights'})")
+    if model.per_block and auto.runs is Schedule.RETAIN:
+        auto = replace(auto, note=f"{auto.note} ({'per block' if auto.per_block else 'on the gathered weights'})")
     if auto.runs is Schedule.NATIVE and native.fits:
         auto = replace(auto, note="native: " + _not_faster(model, native, [e for e in estimates if e.fits]))
     retain_static = static if model.per_block else model.gathered
