@@ -13,6 +13,7 @@ from . import __version__
 from .request import OPTIMIZE_SCHEDULES
 from .backbones.factory import REAL_MODELS
 from .backbones.families import FAMILIES
+from .cost.sharding import SHARDINGS
 from .schedules import SCHEDULES
 from .trainers import TRAINERS
 
@@ -107,8 +108,9 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--kl", type=float, default=0.0, metavar="BETA",
                       help="weight beta of the KL penalty to the reference model (default: 0)")
     plan.add_argument("--world-size", type=int, default=1, metavar="RANKS", help="data-parallel ranks (default: 1)")
-    plan.add_argument("--sharding", choices=("fsdp", "ddp"), default="fsdp",
-                      help="fsdp (FSDP2 fully_shard per block) or ddp (default: fsdp)")
+    plan.add_argument("--sharding", choices=sorted(SHARDINGS), default="fsdp",
+                      help="fsdp (FSDP2 fully_shard per block), fsdp1 (FullyShardedDataParallel FULL_SHARD per block), "
+                           "fsdp1-grad-op (its SHARD_GRAD_OP), zero3 (DeepSpeed ZeRO-3) or ddp (default: fsdp)")
     plan.add_argument("--budget", type=float, default=None, metavar="GIB",
                       help="memory budget per rank in GiB (default: the device's memory less a 10%% margin)")
     plan.add_argument("--json", action="store_true", help="print JSON for scripts instead of the table")
@@ -224,7 +226,7 @@ def _plan(args) -> int:
     else:
         print(f"{name} ({args.trainer}, {'full' if args.full else f'LoRA r{args.lora_rank}'}, "
               f"{args.resolution}px, {s.profile.tokens} tokens/row, {args.samples} samples/rank, "
-              f"world {args.world_size} {args.sharding})")
+              f"world {args.world_size} {s.layout.label})")
         print(plan)
     return 0
 

@@ -29,6 +29,7 @@ from ..plan import AUTO, Action, Refusal, Schedule, StepAction
 from .devices import Device, GiB
 from .overheads import Overheads
 from .profile import PARTIAL_BUDGETS, CallProfile
+from .sharding import Sharding, sharding
 
 if TYPE_CHECKING:
     import sympy
@@ -54,7 +55,14 @@ class Scenario:
     advantage_free: bool = False  # the loss has advantage-free terms: Reweight backpropagates twice
     buffers: int | None = None  # gradient buffers Reweight holds at its peak (None: one per window sample)
     world_size: int = 1
-    sharding: str = "ddp"  # "ddp" replicates weights and optimizer state; "fsdp" shards them
+    sharding: str = "ddp"  # a name of sharding.SHARDINGS: "ddp" replicates weights and optimizer state
+
+    def __post_init__(self):
+        sharding(self.sharding)  # a clear error for an unknown name
+
+    @property
+    def layout(self) -> Sharding:
+        return sharding(self.sharding)
 
 
 @dataclass(frozen=True)
@@ -70,7 +78,7 @@ class Estimate:
     steps: tuple[StepAction, ...] = ()  # per eligible trained step, by position
     runs: Schedule = Schedule.NATIVE  # the program it runs (auto: Retain for any mix of retained steps)
     note: str = ""
-    per_block: bool = False  # Retain runs per transformer block (FSDP2's own gathers; runtime.regional)
+    per_block: bool = False  # Retain runs per transformer block (the sharding's own gathers; runtime.regional)
 
     @property
     def available(self) -> bool:
@@ -175,10 +183,12 @@ def _memory_model():
 
 
 def static_memory(s: Scenario) -> dict[str, sympy.Expr]:
-    """What every schedule holds: weights, gradients, optimizer moments, EMA and the KL reference."""
+    """What every schedule holds: weights, gradients, optimizer moments, EMA and the KL reference, each rank its
+    shard of them under a sharded layout, and the blocks' weights it holds gathered during a call."""
     sympy, _, _, _, WORLD = _memory_model()
     cfg = s.config
-    shard = WORLD if s.sharding == "fsdp" else 1
+    layout = s.layout
+    shard = WORLD if layout.sharded else 1
     frozen = s.total_params - s.trainable_params
     parts = {"weights": (frozen * s.weight_bytes + s.trainable_params * s.trainable_bytes) / shard,
              "gradients": s.trainable_params * s.trainable_bytes / shard,
@@ -187,7 +197,16 @@ def static_memory(s: Scenario) -> dict[str, sympy.Expr]:
         parts["EMA"] = s.trainable_params * s.trainable_bytes / shard
     if cfg.beta > 0 and cfg.lora_rank is None:  # LoRA's reference is the same model with adapters off
         parts["reference model"] = s.total_params * s.weight_bytes / shard
+    gathered = layout.gathered_bytes(_whole_weights(s), s.profile.blocks, s.world_size)
+    if gathered:
+        parts["gathered blocks"] = gathered
     return {k: sympy.sympify(v) for k, v in parts.items()}
+
+
+def _whole_weights(s: Scenario) -> int:
+    """Bytes of every weight, unsharded (a block's taken as their average per block where a layout gathers by
+    block: the embeddings and output layers are a small part)."""
+    return (s.total_params - s.trainable_params) * s.weight_bytes + s.trainable_params * s.trainable_bytes
 
 
 def activations_per_row(s: Scenario, per_block: bool = False) -> sympy.Expr:
@@ -256,7 +275,7 @@ class StepModel:
     values: dict  # the memory model's symbols at this scenario (tokens, world size)
     static: dict[str, int]  # what every schedule holds (weights, gradients, optimizer state, ...)
     gathered: dict[str, int]  # ``static`` and what a step on the whole weights holds besides (FSDP2)
-    per_block: bool  # Retain runs per transformer block (FSDP2's own gathers; runtime.regional)
+    per_block: bool  # Retain runs per transformer block (the sharding's own gathers; runtime.regional)
     native: Estimate
     update_forward: float  # seconds of one update call's forward
     update_backward: float
@@ -342,24 +361,26 @@ def plan(s: Scenario, device: Device, budget: int | None = None, *, estimators: 
     # What one eligible step saves when the update does not run its forward (per window call: the forward and,
     # under checkpointing, its recomputation).
     model = StepModel(s, device, budget, g, values, static, {**static, **_gathered(s)},
-                      s.sharding == "fsdp" and s.world_size > 1, native, fwd_u, bwd_u, transient,
+                      s.layout.sharded and s.world_size > 1, native, fwd_u, bwd_u, transient,
                       g.window_calls * fwd_u * (1 + ckpt), g.window_calls * g.update_rows * flops_f * (1 + ckpt),
                       **program)
-    refused = {r.schedule: str(r) for r in s.refusals}
+    refused = {r.schedule: str(r) for r in (*s.refusals, *s.layout.refused(s.world_size))}
     estimates = tuple(Estimate(str(name), False, 0, (), math.inf, math.inf, note=refused[name]) if name in refused
                       else estimate(model) for name, estimate in estimators.items())
     others = [e for e in estimates if e.schedule != Schedule.RETAIN]
-    auto = _auto(model, others, per_block=model.per_block)
-    if model.per_block:  # or the partition's checkpoint level on the gathered weights, where that fits and is faster
+    retain = Schedule.RETAIN not in refused
+    auto = _auto(model, others, per_block=model.per_block, retain=retain)
+    if model.per_block and s.layout.whole_call and retain:
+        # or the partition's checkpoint level on the gathered weights, where that fits and is faster
         whole = _auto(model, others)
         if whole.fits and (not auto.fits or whole.seconds < auto.seconds):
             auto = whole
-        if auto.runs is Schedule.RETAIN:
-            auto = replace(auto, note=f"{auto.note} ({'per block' if auto.per_block else 'on the gathered weights'})")
+    if model.per_block and auto.runs is Schedule.RETAIN:
+        auto = replace(auto, note=f"{auto.note} ({'per block' if auto.per_block else 'on the gathered weights'})")
     if auto.runs is Schedule.NATIVE and native.fits:
         auto = replace(auto, note="native: " + _not_faster(model, native, [e for e in estimates if e.fits]))
     retain_static = static if model.per_block else model.gathered
-    limits = _limits(s, g, sum(retain_static.values()), budget, model.per_block)
+    limits = _limits(s, g, sum(retain_static.values()), budget, model.per_block) + _sharding_lines(model)
     reweight = next((e for e in estimates if e.schedule == Schedule.REWEIGHT and e.available), None)
     if reweight is not None:
         whole = _reweight_at(model, 1.0) if reweight.steps and reweight.steps[0].fraction < 1 else reweight
@@ -385,8 +406,9 @@ def estimate_retain(m: StepModel) -> Estimate:
 def _gathered(s: Scenario) -> dict[str, int]:
     """Under FSDP2 the whole-call partition's mixes (partial retention) run on the whole weights
     (trainers.parallel): every rank holds the rest of the weights and whole gradients until they are
-    reduce-scattered. Retain and Reweight per block (runtime.regional) hold what native holds besides their own."""
-    if s.sharding != "fsdp" or s.world_size == 1:
+    reduce-scattered. Retain and Reweight per block (runtime.regional) hold what native holds besides their own.
+    Other sharded layouts serve per block only."""
+    if not s.layout.whole_call or s.world_size == 1:
         return {}
     whole = (s.total_params - s.trainable_params) * s.weight_bytes + 2 * s.trainable_params * s.trainable_bytes
     return {"gathered (FSDP2)": whole - whole // s.world_size}
@@ -474,7 +496,7 @@ def _reweight_at(m: StepModel, fraction: float) -> Estimate:
                       note=f"{count} gradient buffers of {format_bytes(fraction * buffer)}{share}{where}")
 
 
-def _auto(m: StepModel, others: list[Estimate], per_block: bool = False) -> Estimate:
+def _auto(m: StepModel, others: list[Estimate], per_block: bool = False, retain: bool = True) -> Estimate:
     """The best per-step mix of retain / retain@f / offload / recompute, or another schedule's estimate, or
     native. ``per_block`` (FSDP2): each transformer block's own partition (runtime.regional); otherwise the mix
     runs on ``m.gathered``, the weights a whole-call partition runs on.
@@ -483,7 +505,7 @@ def _auto(m: StepModel, others: list[Estimate], per_block: bool = False) -> Esti
     ``PARTIAL_BUDGETS``; per block, every block's partition at budget f) and saves ``ckpt + f`` update forwards
     (under native checkpointing the update runs its forward twice; the partition recomputes ``1 - f`` of one).
     The best mix raises as many steps as fit to f = 0 where that saves time, then fills whole steps to f = 1
-    while they fit, and one step at the largest budget that fits.
+    while they fit, and one step at the largest budget that fits. ``retain=False`` (Retain refused): no mix.
     """
     s, g, native, device = m.scenario, m.geometry, m.native, m.device
     static = m.static if per_block else m.gathered
@@ -535,7 +557,7 @@ def _auto(m: StepModel, others: list[Estimate], per_block: bool = False) -> Esti
     seconds += m.program_seconds(sum(a.kind is not Action.RECOMPUTE for a in steps))
     extra = {"retained activations": held, "activations (one call)": m.transient}
     mix = None
-    if any(a.kind is not Action.RECOMPUTE for a in steps):
+    if retain and any(a.kind is not Action.RECOMPUTE for a in steps):
         mix = replace(_estimate(AUTO, static, extra, m.budget, seconds, flops, tuple(steps), Schedule.RETAIN,
                                 note=describe_steps(steps)), per_block=per_block)
     best = min([e for e in (mix, *others) if e is not None and e.fits] + [native], key=lambda e: e.seconds)
@@ -574,6 +596,29 @@ def describe_steps(steps) -> str:
 
 def all_steps(kind: Action, steps: int) -> tuple[StepAction, ...]:
     return tuple(StepAction(i, kind) for i in range(steps))
+
+
+def _sharding_lines(m: StepModel) -> tuple[tuple[str, str], ...]:
+    """Under a sharded layout on several ranks: the weights it gathers per GRPO step, and what Retain per block
+    keeps per rank and whether it fits (also where leancompile does not serve the layout: the table says why)."""
+    s, g = m.scenario, m.geometry
+    layout = s.layout
+    if not m.per_block:
+        return ()
+    # A rollout call gathers every block once; SHARD_GRAD_OP keeps them gathered from one forward to the backward
+    rollout = 0 if layout.held_through_backward else s.config.num_steps * g.rollout_calls
+    rounds = rollout + g.micro_steps * layout.gathers_per_update
+    retain = estimate_retain(m)
+    step = m.retained_step_bytes(per_block=True)
+    blocks = max(1, s.profile.blocks)
+    return ((f"all-gathers per GRPO step ({layout.label})",
+             f"every block's weights {rounds:g} times, {format_bytes(rounds * _whole_weights(s))} per rank (the "
+             f"rollout's calls {rollout:g}, the update's {g.micro_steps:g} calls {layout.gathers_per_update} each); "
+             "the step times do not price the collectives"),
+            (f"Retain per block ({layout.label})",
+             f"a retained step keeps {format_bytes(step)} per rank ({format_bytes(step // blocks)} a block, no "
+             f"weights); every trained step retained: peak {format_bytes(retain.peak_bytes)}, "
+             + ("fits" if retain.fits else "does not fit")))
 
 
 def _limits(s: Scenario, g, base: int, budget: int, per_block: bool) -> tuple[tuple[str, str], ...]:

@@ -9,6 +9,7 @@ import torch
 from ..backbones import factory
 from ..trainers import TRAINERS
 from .planner import Scenario
+from .sharding import sharding as layout
 from .profile import profile_call
 
 
@@ -67,8 +68,7 @@ def model_scenario(name: str, *, trainer: str = "dancegrpo", resolution: int = 1
     if samples < 1 or samples * world_size < 2 or samples % micro_batch:
         raise ValueError(f"samples must be a multiple of micro_batch={micro_batch} and a group of at least 2 over "
                          f"all ranks; got {samples} per rank on {world_size}")
-    if sharding not in ("ddp", "fsdp"):
-        raise ValueError(f"sharding must be 'ddp' or 'fsdp'; got {sharding!r}")
+    layout(sharding)  # a clear error for an unknown name, before the model is built
     options = dict(num_steps=steps, timestep_fraction=timestep_fraction, guidance_scale=guidance_scale, beta=beta,
                    group_size=samples * world_size, train_batch_size=micro_batch, sample_batch_size=micro_batch,
                    gradient_accumulation_steps=samples // micro_batch, lora_rank=lora_rank, ema=ema)

@@ -38,8 +38,9 @@ class Unreadable(Exception):
 
 def digest(tensors: list[torch.Tensor]) -> torch.Tensor:
     """One int64 per tensor of ``tensors`` (on the first one's device), equal for two lists exactly when their
-    values are (but for the odds above). A sharded DTensor is read by its local shard; tensors on several devices
-    are digested on each. Raises :class:`Unreadable` for a tensor with no storage behind its values."""
+    values are (but for the odds above). A sharded DTensor is read by its local shard, a DeepSpeed ZeRO-3 parameter
+    by its partition; tensors on several devices are digested on each. Raises :class:`Unreadable` for a tensor with
+    no storage behind its values."""
     flats = [_bytes(t) for t in tensors]
     if not flats:
         return torch.zeros(0, dtype=torch.int64, device="cpu")
@@ -64,7 +65,7 @@ def _on_one_device(flats: list[torch.Tensor], device: torch.device) -> torch.Ten
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
     """``t``'s values as a flat tensor of bytes (a copy where ``t`` is not contiguous)."""
-    t = t.detach()
+    t = t.detach() if getattr(t, "ds_tensor", None) is None else _zero3_partition(t)
     if hasattr(t, "to_local"):  # FSDP2's DTensor: each rank digests its own shard
         t = t.to_local()
     if t.numel() and t.untyped_storage().nbytes() < (t.storage_offset() + t.numel()) * t.element_size():
@@ -72,6 +73,16 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
     if t.dtype.is_complex:
         t = torch.view_as_real(t)
     return t.reshape(-1).view(torch.uint8) if t.dim() else t.reshape(1).view(torch.uint8)
+
+
+def _zero3_partition(param: torch.Tensor) -> torch.Tensor:
+    """A DeepSpeed ZeRO-3 parameter's own partition on this rank (``ds_tensor``), which the optimizer writes: the
+    parameter's data is empty outside the modules' calls and, while gathered, a buffer freed after them. Raises
+    :class:`Unreadable` where the partition is not in memory (swapped out to NVMe)."""
+    partition = param.ds_tensor
+    if partition.status.name == "NOT_AVAILABLE" or partition.numel() != partition.ds_numel:
+        raise Unreadable(f"a ZeRO-3 parameter of shape {tuple(param.ds_shape)} holds no partition in memory")
+    return partition.detach()
 
 
 def _rows(flats: list[torch.Tensor], pads: tuple[int, ...], device: torch.device):

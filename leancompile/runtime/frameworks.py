@@ -24,8 +24,9 @@ def framework_refusal(module: torch.nn.Module, schedule: str | None = None,
                 "engine's program would bypass; it runs natively. Wrap the DistributedDataParallel itself, or the "
                 "module it holds")
     if any(hasattr(p, "ds_id") for p in module.parameters()):
-        return ("DeepSpeed ZeRO-3 partitions the module's parameters and gathers them inside each call; it runs "
-                "natively. ZeRO-1 and ZeRO-2 (sharded gradients and optimizer states) are served")
+        return ("DeepSpeed ZeRO-3 partitions the module's parameters and gathers each submodule's own in that "
+                "submodule's forward hooks, which a block served from kept tensors would skip; it runs natively. "
+                "ZeRO-1 and ZeRO-2 (sharded gradients and optimizer states) are served")
     return None
 
 
