@@ -102,7 +102,8 @@ def main(argv=None) -> int:
     tasks = [(measure_case, case, repetitions, tuple(args.schedules), args.min_seconds) for case in measured]
     loops = args.loops if args.loops is not None else (list(LOOPS) if args.grid or args.full else list(QUICK_LOOPS))
     tasks += [(measure_loop_runs, name, repetitions, args.device, args.runs) for name in loops]
-    tasks += [(on_policy, precision, args.device) for precision in (("float32", "bf16") if loops else ())]
+    on_policy_rows = any(name.startswith("llm/") for name in loops)  # the LLM loop's first micro-step's ratios
+    tasks += [(on_policy, precision, args.device) for precision in (("float32", "bf16") if on_policy_rows else ())]
     if args.equivalence_steps > 0:
         tasks += [(train_side_by_side, args.equivalence_steps, precision) for precision in ("float64", "bf16")]
         tasks += [(train_side_by_side, args.equivalence_steps, precision, True) for precision in ("float32", "bf16")]
@@ -115,7 +116,7 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:  # e.g. a time limit (benchmarks/gpu.sh): keep what was measured
         print("interrupted: writing the rows measured so far", file=sys.stderr, flush=True)
         interrupted = True
-    ends = list(itertools.accumulate((len(measured), len(loops), 2 if loops else 0)))
+    ends = list(itertools.accumulate((len(measured), len(loops), 2 if on_policy_rows else 0)))
     done = lambda part: [r for r in part if r is not None]
     rows = [row for case_rows in done(results[:ends[0]]) for row in case_rows]
     loop_rows, policy_rows = done(results[ends[0]:ends[1]]), done(results[ends[1]:ends[2]])
@@ -125,6 +126,7 @@ def main(argv=None) -> int:
     print(markdown_table(rows))
     if loop_rows:
         print(loops_markdown(loop_rows))
+    if policy_rows:
         print(on_policy_markdown(policy_rows))
     if equivalence:
         print(equivalence_markdown(equivalence))

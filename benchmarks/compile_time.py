@@ -3,10 +3,21 @@ per-row program takes on a real model's architecture (meta weights, fake tensors
 transformer block (runtime.regional: one program per block structure) against the whole backbone's partition.
 
 Compile time does not depend on the resolution (shapes are symbols of nothing here: fixed), so a small one keeps
-the meta forward that records the blocks' calls quick. Full fine-tuning: every weight requires grad."""
+the meta forward that records the blocks' calls quick. Full fine-tuning: every weight requires grad.
+
+``python -m benchmarks.compile_time --loop [--layers 2 4]``: the first step of the FlowGRPO SD3 loop
+(examples/flowgrpo_sd3.py at the benchmark's sizes) wrapped, at each depth, in a fresh process with an empty program
+cache and again in a second fresh process reading the first's (runtime.program_cache): the compile's seconds, split
+into the one-row partitions (AOTAutograd's joint trace, the partition, its passes) and the vmapped traces, against
+the native first step's seconds."""
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
 import time
 
 import torch
@@ -37,12 +48,74 @@ def block_calls(backbone) -> dict[tuple, tuple]:
     return calls
 
 
+def first_step(layers: int) -> dict:
+    """In this process: the FlowGRPO SD3 loop's first step natively and wrapped, at ``layers`` blocks; the
+    compile's seconds and where they went."""
+    from examples import flowgrpo_sd3
+
+    from .cases import backbone_sizes
+
+    torch.set_num_threads(1)
+    spent = {"partition": 0.0, "traces": 0.0}
+
+    def timed(method, part):
+        def run(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                spent[part] += time.perf_counter() - start
+        return run
+
+    # each stage by itself: the partition is compiled before the calls that trace its rows
+    RowwiseBackbone._partition = timed(RowwiseBackbone._partition, "partition")
+    RowwiseBackbone._traced = timed(RowwiseBackbone._traced, "traces")
+    config = flowgrpo_sd3.Config(sizes=tuple({**backbone_sizes("sd3"), "num_layers": layers}.items()))
+    seconds = {}
+    for key, use in (("native", False), ("wrapped", True)):
+        loop = flowgrpo_sd3.Loop(config, use_leancompile=use)
+        start = time.perf_counter()
+        loop.step()
+        seconds[key] = time.perf_counter() - start
+    stats = loop.transformer.stats()
+    return {"layers": layers, "native_first_step": seconds["native"], "wrapped_first_step": seconds["wrapped"],
+            "compile": stats["compile_seconds"], "served_calls": stats["served_calls"], **spent}
+
+
+def loop_table(layer_counts: list[int]) -> str:
+    """Each depth's first step in a process with an empty program cache, then in a second reading it."""
+    lines = ["| layers | process | native first step s | wrapped first step s | compile s | partitions s | "
+             "traces s | calls served |", "|---|---|---|---|---|---|---|---|"]
+    for layers in layer_counts:
+        with tempfile.TemporaryDirectory() as cache:
+            env = {**os.environ, "LEANCOMPILE_CACHE_DIR": cache, "LEANCOMPILE_CACHE": "1"}
+            for process in ("first (empty cache)", "second (the first's cache)"):
+                out = subprocess.run([sys.executable, "-m", "benchmarks.compile_time", "--first-step", str(layers)],
+                                     env=env, capture_output=True, text=True, check=True).stdout
+                r = json.loads(out.strip().splitlines()[-1])
+                lines.append(f"| {layers} | {process} | {r['native_first_step']:.2f} | {r['wrapped_first_step']:.2f} "
+                             f"| {r['compile']:.2f} | {r['partition']:.2f} | {r['traces']:.2f} | "
+                             f"{r['served_calls']} |")
+                print(lines[-1], file=sys.stderr, flush=True)
+    return "\n".join(lines)
+
+
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.compile_time", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.compile_time", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="flux.1-dev")
     parser.add_argument("--resolution", type=int, default=256)
     parser.add_argument("--whole", action="store_true", help="also compile the whole backbone's partition")
+    parser.add_argument("--loop", action="store_true", help="the FlowGRPO SD3 loop's first step, twice per depth")
+    parser.add_argument("--layers", type=int, nargs="+", default=[2, 4], help="--loop's depths (default: 2 4)")
+    parser.add_argument("--first-step", type=int, default=None, help=argparse.SUPPRESS)  # one process of --loop
     args = parser.parse_args(argv)
+    if args.first_step is not None:
+        print(json.dumps(first_step(args.first_step)))
+        return
+    if args.loop:
+        print(loop_table(args.layers))
+        return
     backbone = real(args.model, args.resolution)
     blocks = sum(len(stack) for _, stack in backbone.block_stacks())
     calls = block_calls(backbone)
