@@ -93,8 +93,10 @@ def write_results(rows: list[dict], out: Path, machine: str, equivalence: list[d
     tables = ""
     if loops:
         (out / "loops.json").write_text(json.dumps({"loops": list(loops), "on_policy": list(on_policy)}, indent=2) + "\n")
-        tables = (f"The drop-in loops (examples/), native and wrapped:\n\n{loops_markdown(loops)}\n\n"
-                  f"The LLM loop's first micro-step, importance ratio:\n\n{on_policy_markdown(on_policy)}\n\n")
+        tables = ("The loops (examples/, benchmarks/public_loops.py), native and wrapped:\n\n"
+                  f"{loops_markdown(loops)}\n\n")
+    if on_policy:
+        tables += f"The LLM loop's first micro-step, importance ratio:\n\n{on_policy_markdown(on_policy)}\n\n"
     md_path.write_text(results_markdown(rows, machine, equivalence, tables))
     plot_speedups(rows, out / "results.png")
     return json_path, md_path
