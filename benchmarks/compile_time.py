@@ -6,13 +6,16 @@ Compile time does not depend on the resolution (shapes are symbols of nothing he
 the meta forward that records the blocks' calls quick. Full fine-tuning: every weight requires grad.
 
 ``python -m benchmarks.compile_time --loop [--layers 2 4]``: the first step of the FlowGRPO SD3 loop
-(examples/flowgrpo_sd3.py at the benchmark's sizes) wrapped, at each depth, in a fresh process with an empty program
-cache and again in a second fresh process reading the first's (runtime.program_cache): the compile's seconds, split
-into the one-row partitions (AOTAutograd's joint trace, the partition, its passes) and the vmapped traces, against
-the native first step's seconds."""
+(examples/flowgrpo_sd3.py at the benchmark's sizes) wrapped, at each depth, as one program for the whole call and
+per block (``per_block=True``: identical blocks share one program), in a fresh process with an empty program cache
+and again in a second fresh process reading the first's (runtime.program_cache): the compile's seconds, split into
+the one-row partitions (AOTAutograd's joint trace, the partition, its passes) and the vmapped traces, against the
+native first step's seconds."""
 from __future__ import annotations
 
 import argparse
+import functools
+import itertools
 import json
 import os
 import subprocess
@@ -48,9 +51,12 @@ def block_calls(backbone) -> dict[tuple, tuple]:
     return calls
 
 
-def first_step(layers: int) -> dict:
-    """In this process: the FlowGRPO SD3 loop's first step natively and wrapped, at ``layers`` blocks; the
-    compile's seconds and where they went."""
+def first_step(layers: int, per_block: bool) -> dict:
+    """In this process: the FlowGRPO SD3 loop's first step natively and wrapped (``per_block``: one program per
+    block structure, runtime.regional), at ``layers`` blocks; the compile's seconds and where they went."""
+    import types
+
+    import leancompile
     from examples import flowgrpo_sd3
 
     from .cases import backbone_sizes
@@ -70,6 +76,7 @@ def first_step(layers: int) -> dict:
     # each stage by itself: the partition is compiled before the calls that trace its rows
     RowwiseBackbone._partition = timed(RowwiseBackbone._partition, "partition")
     RowwiseBackbone._traced = timed(RowwiseBackbone._traced, "traces")
+    flowgrpo_sd3.leancompile = types.SimpleNamespace(wrap=functools.partial(leancompile.wrap, per_block=per_block))
     config = flowgrpo_sd3.Config(sizes=tuple({**backbone_sizes("sd3"), "num_layers": layers}.items()))
     seconds = {}
     for key, use in (("native", False), ("wrapped", True)):
@@ -78,22 +85,26 @@ def first_step(layers: int) -> dict:
         loop.step()
         seconds[key] = time.perf_counter() - start
     stats = loop.transformer.stats()
-    return {"layers": layers, "native_first_step": seconds["native"], "wrapped_first_step": seconds["wrapped"],
-            "compile": stats["compile_seconds"], "served_calls": stats["served_calls"], **spent}
+    return {"layers": layers, "per_block": per_block, "native_first_step": seconds["native"],
+            "wrapped_first_step": seconds["wrapped"], "compile": stats["compile_seconds"],
+            "served_calls": stats["served_calls"], **spent}
 
 
 def loop_table(layer_counts: list[int]) -> str:
-    """Each depth's first step in a process with an empty program cache, then in a second reading it."""
-    lines = ["| layers | process | native first step s | wrapped first step s | compile s | partitions s | "
-             "traces s | calls served |", "|---|---|---|---|---|---|---|---|"]
-    for layers in layer_counts:
+    """Each depth's first step, the whole call and per block, in a process with an empty program cache, then in a
+    second reading it."""
+    lines = ["| layers | program | process | native first step s | wrapped first step s | compile s | partitions s | "
+             "traces s | calls served |", "|---|---|---|---|---|---|---|---|---|"]
+    for layers, per_block in itertools.product(layer_counts, (False, True)):
         with tempfile.TemporaryDirectory() as cache:
             env = {**os.environ, "LEANCOMPILE_CACHE_DIR": cache, "LEANCOMPILE_CACHE": "1"}
             for process in ("first (empty cache)", "second (the first's cache)"):
-                out = subprocess.run([sys.executable, "-m", "benchmarks.compile_time", "--first-step", str(layers)],
-                                     env=env, capture_output=True, text=True, check=True).stdout
+                command = [sys.executable, "-m", "benchmarks.compile_time", "--first-step", str(layers)]
+                out = subprocess.run(command + ["--per-block"] * per_block, env=env, capture_output=True, text=True,
+                                     check=True).stdout
                 r = json.loads(out.strip().splitlines()[-1])
-                lines.append(f"| {layers} | {process} | {r['native_first_step']:.2f} | {r['wrapped_first_step']:.2f} "
+                lines.append(f"| {layers} | {'per block' if per_block else 'whole call'} | {process} | "
+                             f"{r['native_first_step']:.2f} | {r['wrapped_first_step']:.2f} "
                              f"| {r['compile']:.2f} | {r['partition']:.2f} | {r['traces']:.2f} | "
                              f"{r['served_calls']} |")
                 print(lines[-1], file=sys.stderr, flush=True)
@@ -109,9 +120,10 @@ def main(argv=None) -> None:
     parser.add_argument("--loop", action="store_true", help="the FlowGRPO SD3 loop's first step, twice per depth")
     parser.add_argument("--layers", type=int, nargs="+", default=[2, 4], help="--loop's depths (default: 2 4)")
     parser.add_argument("--first-step", type=int, default=None, help=argparse.SUPPRESS)  # one process of --loop
+    parser.add_argument("--per-block", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.first_step is not None:
-        print(json.dumps(first_step(args.first_step)))
+        print(json.dumps(first_step(args.first_step, args.per_block)))
         return
     if args.loop:
         print(loop_table(args.layers))
