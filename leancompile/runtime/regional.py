@@ -327,6 +327,16 @@ class RegionalEngine:
                     stack.enter_context(policy.passing())
             yield
 
+    @property
+    def check_seconds(self) -> float:
+        """The blocks' engines' check time since their statistics were last taken."""
+        return sum(engine.check_seconds for engine in self.engines)
+
+    @property
+    def compiled_seconds(self) -> float:
+        """Seconds the blocks' programs spent compiling and tracing, in all."""
+        return sum(engine.compiled_seconds for engine in self.engines)
+
     def take_stats(self) -> dict:
         """Since the last time: calls (block calls) served and recomputed and why; the bytes held, each block's
         peak summed; the check time."""
