@@ -57,7 +57,7 @@ def measure(setup: Setup) -> dict:
         stacked, log_probs, trajectory = loop.rollout(noise)
         rewards = -stacked[:, -1].float().square().mean(dim=(1, 2)).cpu()  # any reward that differs per sample
         advantages = advantages_of(rewards, setup).to(setup.device)
-        ratios = loop.update(stacked, log_probs, advantages, trajectory if run == "contiguous" else None)
+        ratios = loop.update(stacked, log_probs, advantages, contiguous=trajectory if run == "contiguous" else None)
         deviation = (ratios.double() - 1).abs()
         grad = torch.cat([p.grad.flatten().double() for p in module.parameters() if p.requires_grad]).cpu()
         figures[run] = dict(trajectory=stacked.cpu(), max_deviation=float(deviation.max()),
