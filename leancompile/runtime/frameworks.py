@@ -34,11 +34,13 @@ def fsdp1_refusal(module: torch.nn.Module, schedule: str | None = None,
     """Why FSDP1 (``FullyShardedDataParallel``) units in ``module`` keep it from being served per block (None: it is
     served). Served: ``module`` is the FSDP1 root itself (wrapped after FSDP1), every transformer block is its own
     unit (an auto-wrap policy per block), and every unit shards FULL_SHARD or SHARD_GRAD_OP with
-    ``use_orig_params=True`` in the parameters' own dtype on their own device. Each block's ``forward`` inside its
-    unit is routed to the block's engine while the unit's own forward runs around it (FSDP1 gathers the flat
-    parameter before and frees it after, and registers its pre-backward gather on the output); the block's
-    parameters in that forward are FSDP1's views into the gathered flat parameter, which the program reads and whose
-    gradients reach the flat parameter's post-backward reduce-scatter through autograd, as native's do."""
+    ``use_orig_params=True`` on the parameters' own device. Each block's ``forward`` inside its unit is routed to the
+    block's engine while the unit's own forward runs around it (FSDP1 gathers the flat parameter before and frees it
+    after, and registers its pre-backward gather on the output); the block's parameters in that forward are FSDP1's
+    views into the gathered flat parameter, which the program reads and whose gradients reach the flat parameter's
+    post-backward reduce-scatter through autograd, as native's do. With ``mixed_precision`` the gathered flat
+    parameter is in ``param_dtype``, and so are the program's weights; the state is read from the sharded
+    full-precision originals, whose values determine the gathered ones."""
     from torch.distributed.fsdp import FullyShardedDataParallel
     from torch.distributed.fsdp._flat_param import HandleShardingStrategy
 
@@ -67,9 +69,6 @@ def fsdp1_refusal(module: torch.nn.Module, schedule: str | None = None,
         if handle._sharding_strategy not in (HandleShardingStrategy.FULL_SHARD, HandleShardingStrategy.SHARD_GRAD_OP):
             return (f"{head} with sharding strategy {handle._sharding_strategy.name} is not served yet (FSDP1 "
                     "served per block: FULL_SHARD and SHARD_GRAD_OP)")
-        if handle._uses_param_mixed_precision:
-            return (f"{head} with mixed_precision (parameters gathered in another dtype than their own) is not "
-                    "served yet")
         if handle._offload_params:
             return f"{head} with CPU offload is not served yet"
     unwrapped = [b for b in transformer_blocks(module) if not isinstance(b, FullyShardedDataParallel)]
