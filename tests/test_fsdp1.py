@@ -167,6 +167,8 @@ SERVED = {
     "FULL_SHARD": ("after", {}, FLOAT64),
     "SHARD_GRAD_OP": ("after", {"strategy": "SHARD_GRAD_OP"}, FLOAT64),
     "mixed precision": ("after", {"param_dtype": "float32"}, 1e-6),
+    "wrapped before FSDP1": ("before", {}, FLOAT64),
+    "checkpoint wrappers outside the units": ("after", {"checkpointed": "outside"}, FLOAT64),
 }
 
 
@@ -197,15 +199,18 @@ def test_fsdp1_is_served_per_block(tmp_path, variant):
         assert wrapped["stats"]["served_calls"] == sum(len(w) for w in windows[::2])
 
 
+# Each setting still run natively: FSDP1Flux's settings (wrapped after FSDP1) and what its warning names
+REFUSED = {"flat": ({"use_orig_params": False}, "use_orig_params=False")}
+
+
 def test_fsdp1_settings_not_served_yet_run_natively_and_say_why(tmp_path):
-    cases = [("native", None, {}), ("before", "before", {}),
-             ("native flat", None, {"use_orig_params": False}), ("flat", "after", {"use_orig_params": False})]
-    reasons = {"before": "wrap after FSDP1", "flat": "use_orig_params=False"}
+    cases = [case for name, (settings, _) in REFUSED.items()
+             for case in ((f"native {name}", None, settings), (name, "after", settings))]
     for rank in spawn_ranks(_worker, WORLD, tmp_path, cases):
-        for case, native in (("before", "native"), ("flat", "native flat")):
-            wrapped, native = rank[case], rank[native]
+        for case, (_, reason) in REFUSED.items():
+            wrapped, native = rank[case], rank[f"native {case}"]
             assert not wrapped["per_block"] or wrapped["stats"]["served_calls"] == 0
             assert wrapped["change"].equal(native["change"]), case  # natively: bitwise FSDP1's
             assert wrapped["collectives"] == native["collectives"]
-            assert wrapped["told"] and all(reasons[case] in told for told in wrapped["told"]), wrapped["told"]
+            assert wrapped["told"] and all(reason in told for told in wrapped["told"]), wrapped["told"]
             assert set(wrapped["stats"]["recompute_reasons"]) == {"unsupported"}, wrapped["stats"]

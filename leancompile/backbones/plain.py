@@ -23,6 +23,24 @@ def fsdp1_unit(module: torch.nn.Module) -> bool:
     return fsdp is not None and isinstance(module, fsdp.FullyShardedDataParallel)
 
 
+def fsdp1_unit_of(block: torch.nn.Module) -> torch.nn.Module | None:
+    """The FSDP1 unit that is a stack's ``block``, or that a checkpoint wrapper ``block`` holds (activation
+    checkpointing applied before FSDP1 wrapped the blocks); None: the block is no unit."""
+    if fsdp1_unit(block):  # first: a unit hands attribute lookups it misses to the module it holds
+        return block
+    held = getattr(block, "_checkpoint_wrapped_module", None)
+    return held if fsdp1_unit(held) else None
+
+
+def fsdp1_routed(block: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module | None]:
+    """The module whose forward serves a stack's ``block`` (the one its FSDP1 unit holds: the unit's own forward
+    gathers and frees around it), and the checkpoint wrapper around that unit (None: none)."""
+    unit = fsdp1_unit_of(block)
+    if unit is None:
+        return block, None
+    return unit._fsdp_wrapped_module, None if unit is block else block
+
+
 def fsdp1_originals(module: torch.nn.Module) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Size]]:
     """Per ``(id(submodule), name)`` of each original parameter that an FSDP1 unit in ``module``'s tree flattened
     with ``use_orig_params=True``: the original ``nn.Parameter`` (its data FSDP1's view into the sharded flat

@@ -44,20 +44,24 @@ def fsdp1_refusal(module: torch.nn.Module, schedule: str | None = None,
     from torch.distributed.fsdp import FullyShardedDataParallel
     from torch.distributed.fsdp._flat_param import HandleShardingStrategy
 
+    from ..backbones.plain import fsdp1_unit_of
     from .regional import transformer_blocks
 
     head = "FSDP1 (FullyShardedDataParallel)"
-    if not isinstance(module, FullyShardedDataParallel):
-        return (f"{head} shards the module's parameters, and leancompile.wrap wraps a module that is not the "
-                "FullyShardedDataParallel root (wrapped before FSDP1, or around it); FSDP1 is served per block where "
-                "the FullyShardedDataParallel module itself is wrapped: wrap after FSDP1")
+    units = [m for m in module.modules() if isinstance(m, FullyShardedDataParallel)]
+    blocks = {id(fsdp1_unit_of(b)) for b in transformer_blocks(module)}
+    others = [u for u in units if u is not module and id(u) not in blocks]
+    if others:
+        return (f"{head} is served per block where the wrapped module is the FullyShardedDataParallel root (wrapped "
+                "after FSDP1) or the module it holds (wrapped before FSDP1), its other units the transformer "
+                f"blocks'; it holds the unit {type(others[0].module).__name__}: wrap the root or the module it holds, "
+                "with an auto-wrap policy per block class")
     if schedule == "reweight":
         return (f"{head} with schedule='reweight': Reweight's loss heads would run FSDP1's gathers for blocks they "
                 "answer from kept outputs, which is not served yet; use schedule='retain'")
     if per_block is False:
         return f"{head} is served per block only; per_block=False keeps the whole call, whose trace FSDP1's " \
             "gathers would leave"
-    units = [m for m in module.modules() if isinstance(m, FullyShardedDataParallel)]
     for unit in units:
         handle = unit._handle
         if handle is None:
@@ -71,7 +75,7 @@ def fsdp1_refusal(module: torch.nn.Module, schedule: str | None = None,
                     "served per block: FULL_SHARD and SHARD_GRAD_OP)")
         if handle._offload_params:
             return f"{head} with CPU offload is not served yet"
-    unwrapped = [b for b in transformer_blocks(module) if not isinstance(b, FullyShardedDataParallel)]
+    unwrapped = [b for b in transformer_blocks(module) if fsdp1_unit_of(b) is None]
     if unwrapped or not transformer_blocks(module):
         return (f"{head} is served per block where each transformer block is its own unit (an auto-wrap policy per "
                 f"block class); {type(unwrapped[0]).__name__ if unwrapped else 'no block'} is not")
