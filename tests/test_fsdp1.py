@@ -2,12 +2,15 @@
 (and SHARD_GRAD_OP) with an auto-wrap policy per Flux block, ``use_orig_params=True``, non-reentrant activation
 checkpointing on every block, the rollout in ``eval()`` under ``no_grad`` one sample per call, the update in
 ``train()``, FSDP's ``clip_grad_norm_`` and two optimizer steps per rollout. ``leancompile.wrap`` of the FSDP1 root
-serves it per block: each block's forward inside its unit is routed to the block's engine while FSDP1's own forward
-gathers and frees around it. The weights after two GRPO steps are FSDP1 alone's to float64 rounding, every update
-call before a rollout's first optimizer step is served, and FSDP1 runs as many all-gathers and reduce-scatters per
-optimizer step as natively. Settings not served yet (``use_orig_params=False``, wrapped before FSDP1) run natively,
-exactly, and say why. FSDP1's ``clip_grad_norm_`` computes its local norm in float32, which fails on float64 sharded
-gradients (torch 2.13): the workers compute it in the gradients' dtype."""
+(or of the transformer before FSDP1 wraps it) serves it per block: each block's forward inside its unit is routed to
+the block's engine while FSDP1's own forward gathers and frees around it. Per served setting (the strategy,
+FlowGRPO's ``MixedPrecision`` one dtype down, wrapped before FSDP1, checkpoint wrappers around the units) the weights
+after two GRPO steps are FSDP1 alone's to float64 rounding (float32's under mixed precision), every update call
+before a rollout's first optimizer step is served, and FSDP1 runs as many all-gathers and reduce-scatters per
+optimizer step as natively. ``use_orig_params=False`` runs natively, exactly, and says why (CPU offload is refused
+too, but FSDP1's CPU offload needs an accelerator, so it is not run here). FSDP1's ``clip_grad_norm_`` computes its
+local norm in float32, which fails on float64 sharded gradients (torch 2.13): the workers compute it in the
+gradients' dtype."""
 import functools
 import os
 import warnings

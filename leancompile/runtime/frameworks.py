@@ -32,15 +32,18 @@ def framework_refusal(module: torch.nn.Module, schedule: str | None = None,
 def fsdp1_refusal(module: torch.nn.Module, schedule: str | None = None,
                   per_block: bool | None = None) -> str | None:
     """Why FSDP1 (``FullyShardedDataParallel``) units in ``module`` keep it from being served per block (None: it is
-    served). Served: ``module`` is the FSDP1 root itself (wrapped after FSDP1), every transformer block is its own
-    unit (an auto-wrap policy per block), and every unit shards FULL_SHARD or SHARD_GRAD_OP with
-    ``use_orig_params=True`` on the parameters' own device. Each block's ``forward`` inside its unit is routed to the
-    block's engine while the unit's own forward runs around it (FSDP1 gathers the flat parameter before and frees it
-    after, and registers its pre-backward gather on the output); the block's parameters in that forward are FSDP1's
-    views into the gathered flat parameter, which the program reads and whose gradients reach the flat parameter's
-    post-backward reduce-scatter through autograd, as native's do. With ``mixed_precision`` the gathered flat
-    parameter is in ``param_dtype``, and so are the program's weights; the state is read from the sharded
-    full-precision originals, whose values determine the gathered ones."""
+    served). Served: ``module`` is the FSDP1 root itself (wrapped after FSDP1) or the module the root holds (wrapped
+    before FSDP1: the root's forward gathers the parameters outside the blocks around the wrapped module's call),
+    every transformer block is its own unit (an auto-wrap policy per block), with its checkpoint wrapper inside the
+    unit (activation checkpointing applied after FSDP1) or around it (applied before), and every unit shards
+    FULL_SHARD or SHARD_GRAD_OP with ``use_orig_params=True``, with or without ``mixed_precision``, without CPU
+    offload. Each block's ``forward`` inside its unit is routed to the block's engine while the unit's own forward
+    runs around it (FSDP1 gathers the flat parameter before and frees it after, and registers its pre-backward
+    gather on the output); the block's parameters in that forward are FSDP1's views into the gathered flat
+    parameter, which the program reads and whose gradients reach the flat parameter's post-backward reduce-scatter
+    through autograd, as native's do. With ``mixed_precision`` the gathered flat parameter is in ``param_dtype``, and
+    so are the program's weights; the state is read from the sharded full-precision originals, whose values
+    determine the gathered ones."""
     from torch.distributed.fsdp import FullyShardedDataParallel
     from torch.distributed.fsdp._flat_param import HandleShardingStrategy
 
@@ -67,14 +70,16 @@ def fsdp1_refusal(module: torch.nn.Module, schedule: str | None = None,
         if handle is None:
             continue
         if not handle._use_orig_params:
-            return (f"{head} with use_orig_params=False registers a block's parameters in its forward only as plain "
-                    "attributes viewing the flat parameter, which the per-block program does not read yet; use "
-                    "use_orig_params=True")
+            return (f"{head} with use_orig_params=False keeps no parameter of a block by name: at rest the unit holds "
+                    "only its flat parameter, and in the block's forward FSDP1 sets each parameter as a plain tensor "
+                    "attribute viewing the gathered flat parameter, which the per-block program does not read, nor "
+                    "the state check compare, yet; use use_orig_params=True (the same parameters, trained alike)")
         if handle._sharding_strategy not in (HandleShardingStrategy.FULL_SHARD, HandleShardingStrategy.SHARD_GRAD_OP):
-            return (f"{head} with sharding strategy {handle._sharding_strategy.name} is not served yet (FSDP1 "
-                    "served per block: FULL_SHARD and SHARD_GRAD_OP)")
+            return (f"{head} with sharding_strategy={handle._sharding_strategy.name} is not served yet; use "
+                    "sharding_strategy=FULL_SHARD or SHARD_GRAD_OP")
         if handle._offload_params:
-            return f"{head} with CPU offload is not served yet"
+            return (f"{head} with cpu_offload=CPUOffload(offload_params=True) is not served yet (FSDP1's CPU offload "
+                    "needs an accelerator, and the per-block path is tested on CPU ranks); drop cpu_offload")
     unwrapped = [b for b in transformer_blocks(module) if fsdp1_unit_of(b) is None]
     if unwrapped or not transformer_blocks(module):
         return (f"{head} is served per block where each transformer block is its own unit (an auto-wrap policy per "
