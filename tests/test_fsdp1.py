@@ -4,13 +4,13 @@ checkpointing on every block, the rollout in ``eval()`` under ``no_grad`` one sa
 ``train()``, FSDP's ``clip_grad_norm_`` and two optimizer steps per rollout. ``leancompile.wrap`` of the FSDP1 root
 (or of the transformer before FSDP1 wraps it) serves it per block: each block's forward inside its unit is routed to
 the block's engine while FSDP1's own forward gathers and frees around it. Per served setting (the strategy,
-FlowGRPO's ``MixedPrecision`` one dtype down, wrapped before FSDP1, checkpoint wrappers around the units) the weights
-after two GRPO steps are FSDP1 alone's to float64 rounding (float32's under mixed precision), every update call
-before a rollout's first optimizer step is served, and FSDP1 runs as many all-gathers and reduce-scatters per
-optimizer step as natively. ``use_orig_params=False`` runs natively, exactly, and says why (CPU offload is refused
-too, but FSDP1's CPU offload needs an accelerator, so it is not run here). FSDP1's ``clip_grad_norm_`` computes its
-local norm in float32, which fails on float64 sharded gradients (torch 2.13): the workers compute it in the
-gradients' dtype."""
+FlowGRPO's ``MixedPrecision`` one dtype down, wrapped before FSDP1, checkpoint wrappers around the units,
+``use_orig_params=False``) the weights after two GRPO steps are FSDP1 alone's to float64 rounding (float32's under
+mixed precision), every update call before a rollout's first optimizer step is served, and FSDP1 runs as many
+all-gathers and reduce-scatters per optimizer step as natively. NO_SHARD runs natively, exactly, and says why (CPU
+offload is refused too, but FSDP1's CPU offload needs an accelerator, so it is not run here). FSDP1's
+``clip_grad_norm_`` computes its local norm in float32, which fails on float64 sharded gradients (torch 2.13): the
+workers compute it in the gradients' dtype."""
 import functools
 import os
 import warnings
@@ -172,6 +172,7 @@ SERVED = {
     "mixed precision": ("after", {"param_dtype": "float32"}, 1e-6),
     "wrapped before FSDP1": ("before", {}, FLOAT64),
     "checkpoint wrappers outside the units": ("after", {"checkpointed": "outside"}, FLOAT64),
+    "use_orig_params=False": ("after", {"use_orig_params": False}, FLOAT64),
 }
 
 
@@ -203,7 +204,7 @@ def test_fsdp1_is_served_per_block(tmp_path, variant):
 
 
 # Each setting still run natively: FSDP1Flux's settings (wrapped after FSDP1) and what its warning names
-REFUSED = {"flat": ({"use_orig_params": False}, "use_orig_params=False")}
+REFUSED = {"NO_SHARD": ({"strategy": "NO_SHARD"}, "sharding_strategy=NO_SHARD")}
 
 
 def test_fsdp1_settings_not_served_yet_run_natively_and_say_why(tmp_path):

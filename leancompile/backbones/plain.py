@@ -60,6 +60,40 @@ def fsdp1_originals(module: torch.nn.Module) -> dict[tuple[int, str], tuple[torc
     return originals
 
 
+def fsdp1_views(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """Each parameter that an FSDP1 unit flattened with ``use_orig_params=False`` in ``module``'s tree, by the name
+    its module reads it by: FSDP1 registers none of them, and sets each as a plain tensor attribute viewing the flat
+    parameter (the gathered one inside the unit's forward, which autograd tracks into the flat parameter)."""
+    views, seen = [], set()
+    for prefix, m in module.named_modules():
+        for name, t in vars(m).items():
+            flat = t._base if isinstance(t, torch.Tensor) and not isinstance(t, torch.nn.Parameter) else None
+            if _flat(flat) and flat._params is None and id(t) not in seen:
+                seen.add(id(t))
+                views.append((f"{prefix}.{name}" if prefix else name, t))
+    return views
+
+
+def parameters_by_name(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """``module``'s parameters by the names its forward reads them by: its registered ones, and those FSDP1
+    flattened with ``use_orig_params=False`` (see :func:`fsdp1_views`) in place of their flat parameter, which
+    FSDP1 registers on the module its unit holds and which no forward reads."""
+    registered = {name: p for name, p in module.named_parameters() if not _flat(p)}
+    return {**dict(fsdp1_views(module)), **registered}
+
+
+def _flat(t) -> bool:
+    """Whether ``t`` is an FSDP1 ``FlatParameter`` (without importing torch.distributed.fsdp)."""
+    return getattr(t, "_param_infos", None) is not None
+
+
+def fsdp1_shard(t: torch.Tensor) -> torch.Tensor:
+    """What determines the values of ``t`` where it is an FSDP1 flat parameter: its sharded full-precision local
+    shard, whatever FSDP1 has swapped in now (the gathered flat parameter, which the root keeps after its forward;
+    the low-precision shard under mixed precision); else ``t``."""
+    return getattr(t, "_local_shard", t) if _flat(t) else t
+
+
 def _fsdp1_original(m: torch.nn.Module, name: str, p: torch.Tensor) -> torch.Tensor:
     """The original parameter behind ``p``, where ``p`` is FSDP1's view into a gathered flat parameter registered on
     ``m`` during a unit's forward (its base is the ``FlatParameter``); else ``p``."""
@@ -143,7 +177,8 @@ def with_fake_weights(module: torch.nn.Module, device: torch.device) -> torch.nn
     """:func:`plain_copy` of ``module`` whose parameters are fake tensors of the whole parameters' shapes (a
     sharded DTensor's global shape, the shape an FSDP1 original parameter had before flattening) on ``device``, all
     of one ``FakeTensorMode``: tracing reads shapes, dtypes and devices, never values, so nothing is gathered.
-    Buffers stay as they are (FSDP2 and FSDP1 do not shard them)."""
+    So are the views FSDP1 sets with ``use_orig_params=False`` (see :func:`fsdp1_views`), whose storage it frees
+    between forwards. Buffers stay as they are (FSDP2 and FSDP1 do not shard them)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     mode = FakeTensorMode(allow_non_fake_inputs=True)
@@ -157,6 +192,9 @@ def with_fake_weights(module: torch.nn.Module, device: torch.device) -> torch.nn
                 fake = fake_like(p, mode, device) if shape is None else fake_like(
                     torch.empty(shape, dtype=p.dtype, device="meta"), mode, device)
                 child._parameters[name] = torch.nn.Parameter(fake, p.requires_grad)
+    for name, view in fsdp1_views(module):
+        prefix, _, leaf = name.rpartition(".")
+        setattr(plain.get_submodule(prefix), leaf, fake_like(view, mode, device).requires_grad_(view.requires_grad))
     return plain
 
 

@@ -36,14 +36,16 @@ def fsdp1_refusal(module: torch.nn.Module, schedule: str | None = None,
     before FSDP1: the root's forward gathers the parameters outside the blocks around the wrapped module's call),
     every transformer block is its own unit (an auto-wrap policy per block), with its checkpoint wrapper inside the
     unit (activation checkpointing applied after FSDP1) or around it (applied before), and every unit shards
-    FULL_SHARD or SHARD_GRAD_OP with ``use_orig_params=True``, with or without ``mixed_precision``, without CPU
-    offload. Each block's ``forward`` inside its unit is routed to the block's engine while the unit's own forward
-    runs around it (FSDP1 gathers the flat parameter before and frees it after, and registers its pre-backward
-    gather on the output); the block's parameters in that forward are FSDP1's views into the gathered flat
-    parameter, which the program reads and whose gradients reach the flat parameter's post-backward reduce-scatter
-    through autograd, as native's do. With ``mixed_precision`` the gathered flat parameter is in ``param_dtype``, and
-    so are the program's weights; the state is read from the sharded full-precision originals, whose values
-    determine the gathered ones."""
+    FULL_SHARD or SHARD_GRAD_OP, with or without ``mixed_precision``, without CPU offload. Each block's ``forward``
+    inside its unit is routed to the block's engine while the unit's own forward runs around it (FSDP1 gathers the
+    flat parameter before and frees it after, and registers its pre-backward gather on the output); the block's
+    parameters in that forward are FSDP1's views into the gathered flat parameter, which the program reads and whose
+    gradients reach the flat parameter's post-backward reduce-scatter through autograd, as native's do. With
+    ``use_orig_params=True`` FSDP1 registers those views as the block's parameters, and the state is read from the
+    original parameters (the optimizer's); with ``use_orig_params=False`` it sets them as plain tensor attributes,
+    which the program reads by name, and the state is the flat parameters' (their versions, and their local shards'
+    values). With ``mixed_precision`` the gathered flat parameter is in ``param_dtype``, and so are the program's
+    weights; the state is read from the sharded full-precision values, which determine the gathered ones."""
     from torch.distributed.fsdp import FullyShardedDataParallel
     from torch.distributed.fsdp._flat_param import HandleShardingStrategy
 
@@ -69,11 +71,6 @@ def fsdp1_refusal(module: torch.nn.Module, schedule: str | None = None,
         handle = unit._handle
         if handle is None:
             continue
-        if not handle._use_orig_params:
-            return (f"{head} with use_orig_params=False keeps no parameter of a block by name: at rest the unit holds "
-                    "only its flat parameter, and in the block's forward FSDP1 sets each parameter as a plain tensor "
-                    "attribute viewing the gathered flat parameter, which the per-block program does not read, nor "
-                    "the state check compare, yet; use use_orig_params=True (the same parameters, trained alike)")
         if handle._sharding_strategy not in (HandleShardingStrategy.FULL_SHARD, HandleShardingStrategy.SHARD_GRAD_OP):
             return (f"{head} with sharding_strategy={handle._sharding_strategy.name} is not served yet; use "
                     "sharding_strategy=FULL_SHARD or SHARD_GRAD_OP")
