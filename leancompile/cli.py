@@ -172,9 +172,10 @@ def _env() -> int:
           "(diffusers Flux, SD3, Wan transformers with or without peft LoRA; causal LMs)")
     print(f"  built-in trainers (optimize): {', '.join(tuple(TRAINERS))} on families {', '.join(FAMILIES)}")
     print(f"  schedules: {', '.join(OPTIMIZE_SCHEDULES)}; bitwise=True for native's bits (Retain)")
-    print("  data parallel: DDP, FSDP2 (fully_shard) and FSDP1 (FullyShardedDataParallel wrapped per block, "
-          "use_orig_params=True) tested on 2 gloo ranks; other FSDP1 settings and DeepSpeed ZeRO-3 run natively "
-          "with the reason; DeepSpeed ZeRO-2 served")
+    print("  data parallel: DDP, FSDP2 (fully_shard) and FSDP1 (FullyShardedDataParallel served per block, "
+          "wrapped before or after it, FULL_SHARD or SHARD_GRAD_OP, MixedPrecision or not) tested on 2 gloo ranks; "
+          "FSDP1's other strategies and CPU offload, and DeepSpeed ZeRO-3, run natively with the reason; DeepSpeed "
+          "ZeRO-2 served")
     print("  TRL GRPOTrainer: wrap(model) before the trainer (docs/trl.md); accelerate: served (docs/wrapping.md)")
     print("  CUDA: tests/test_cuda.py ran on one H200 (docs/results.md); no GPU timings measured")
     return 0

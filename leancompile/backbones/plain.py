@@ -23,6 +23,24 @@ def fsdp1_unit(module: torch.nn.Module) -> bool:
     return fsdp is not None and isinstance(module, fsdp.FullyShardedDataParallel)
 
 
+def fsdp1_unit_of(block: torch.nn.Module) -> torch.nn.Module | None:
+    """The FSDP1 unit that is a stack's ``block``, or that a checkpoint wrapper ``block`` holds (activation
+    checkpointing applied before FSDP1 wrapped the blocks); None: the block is no unit."""
+    if fsdp1_unit(block):  # first: a unit hands attribute lookups it misses to the module it holds
+        return block
+    held = getattr(block, "_checkpoint_wrapped_module", None)
+    return held if fsdp1_unit(held) else None
+
+
+def fsdp1_routed(block: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module | None]:
+    """The module whose forward serves a stack's ``block`` (the one its FSDP1 unit holds: the unit's own forward
+    gathers and frees around it), and the checkpoint wrapper around that unit (None: none)."""
+    unit = fsdp1_unit_of(block)
+    if unit is None:
+        return block, None
+    return unit._fsdp_wrapped_module, None if unit is block else block
+
+
 def fsdp1_originals(module: torch.nn.Module) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Size]]:
     """Per ``(id(submodule), name)`` of each original parameter that an FSDP1 unit in ``module``'s tree flattened
     with ``use_orig_params=True``: the original ``nn.Parameter`` (its data FSDP1's view into the sharded flat
@@ -40,6 +58,40 @@ def fsdp1_originals(module: torch.nn.Module) -> dict[tuple[int, str], tuple[torc
             prim = originals.get((id(info.prim_module), info.prim_param_name))
             originals[id(info.module), info.param_name] = (param, prim[1] if prim else param.shape)
     return originals
+
+
+def fsdp1_views(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """Each parameter that an FSDP1 unit flattened with ``use_orig_params=False`` in ``module``'s tree, by the name
+    its module reads it by: FSDP1 registers none of them, and sets each as a plain tensor attribute viewing the flat
+    parameter (the gathered one inside the unit's forward, which autograd tracks into the flat parameter)."""
+    views, seen = [], set()
+    for prefix, m in module.named_modules():
+        for name, t in vars(m).items():
+            flat = t._base if isinstance(t, torch.Tensor) and not isinstance(t, torch.nn.Parameter) else None
+            if _flat(flat) and flat._params is None and id(t) not in seen:
+                seen.add(id(t))
+                views.append((f"{prefix}.{name}" if prefix else name, t))
+    return views
+
+
+def parameters_by_name(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """``module``'s parameters by the names its forward reads them by: its registered ones, and those FSDP1
+    flattened with ``use_orig_params=False`` (see :func:`fsdp1_views`) in place of their flat parameter, which
+    FSDP1 registers on the module its unit holds and which no forward reads."""
+    registered = {name: p for name, p in module.named_parameters() if not _flat(p)}
+    return {**dict(fsdp1_views(module)), **registered}
+
+
+def _flat(t) -> bool:
+    """Whether ``t`` is an FSDP1 ``FlatParameter`` (without importing torch.distributed.fsdp)."""
+    return getattr(t, "_param_infos", None) is not None
+
+
+def fsdp1_shard(t: torch.Tensor) -> torch.Tensor:
+    """What determines the values of ``t`` where it is an FSDP1 flat parameter: its sharded full-precision local
+    shard, whatever FSDP1 has swapped in now (the gathered flat parameter, which the root keeps after its forward;
+    the low-precision shard under mixed precision); else ``t``."""
+    return getattr(t, "_local_shard", t) if _flat(t) else t
 
 
 def _fsdp1_original(m: torch.nn.Module, name: str, p: torch.Tensor) -> torch.Tensor:
@@ -125,7 +177,8 @@ def with_fake_weights(module: torch.nn.Module, device: torch.device) -> torch.nn
     """:func:`plain_copy` of ``module`` whose parameters are fake tensors of the whole parameters' shapes (a
     sharded DTensor's global shape, the shape an FSDP1 original parameter had before flattening) on ``device``, all
     of one ``FakeTensorMode``: tracing reads shapes, dtypes and devices, never values, so nothing is gathered.
-    Buffers stay as they are (FSDP2 and FSDP1 do not shard them)."""
+    So are the views FSDP1 sets with ``use_orig_params=False`` (see :func:`fsdp1_views`), whose storage it frees
+    between forwards. Buffers stay as they are (FSDP2 and FSDP1 do not shard them)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     mode = FakeTensorMode(allow_non_fake_inputs=True)
@@ -139,6 +192,9 @@ def with_fake_weights(module: torch.nn.Module, device: torch.device) -> torch.nn
                 fake = fake_like(p, mode, device) if shape is None else fake_like(
                     torch.empty(shape, dtype=p.dtype, device="meta"), mode, device)
                 child._parameters[name] = torch.nn.Parameter(fake, p.requires_grad)
+    for name, view in fsdp1_views(module):
+        prefix, _, leaf = name.rpartition(".")
+        setattr(plain.get_submodule(prefix), leaf, fake_like(view, mode, device).requires_grad_(view.requires_grad))
     return plain
 
 

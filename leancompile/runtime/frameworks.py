@@ -33,47 +33,52 @@ def framework_refusal(module: torch.nn.Module, schedule: str | None = None,
 def fsdp1_refusal(module: torch.nn.Module, schedule: str | None = None,
                   per_block: bool | None = None) -> str | None:
     """Why FSDP1 (``FullyShardedDataParallel``) units in ``module`` keep it from being served per block (None: it is
-    served). Served: ``module`` is the FSDP1 root itself (wrapped after FSDP1), every transformer block is its own
-    unit (an auto-wrap policy per block), and every unit shards FULL_SHARD or SHARD_GRAD_OP with
-    ``use_orig_params=True`` in the parameters' own dtype on their own device. Each block's ``forward`` inside its
-    unit is routed to the block's engine while the unit's own forward runs around it (FSDP1 gathers the flat
-    parameter before and frees it after, and registers its pre-backward gather on the output); the block's
+    served). Served: ``module`` is the FSDP1 root itself (wrapped after FSDP1) or the module the root holds (wrapped
+    before FSDP1: the root's forward gathers the parameters outside the blocks around the wrapped module's call),
+    every transformer block is its own unit (an auto-wrap policy per block), with its checkpoint wrapper inside the
+    unit (activation checkpointing applied after FSDP1) or around it (applied before), and every unit shards
+    FULL_SHARD or SHARD_GRAD_OP, with or without ``mixed_precision``, without CPU offload. Each block's ``forward``
+    inside its unit is routed to the block's engine while the unit's own forward runs around it (FSDP1 gathers the
+    flat parameter before and frees it after, and registers its pre-backward gather on the output); the block's
     parameters in that forward are FSDP1's views into the gathered flat parameter, which the program reads and whose
-    gradients reach the flat parameter's post-backward reduce-scatter through autograd, as native's do."""
+    gradients reach the flat parameter's post-backward reduce-scatter through autograd, as native's do. With
+    ``use_orig_params=True`` FSDP1 registers those views as the block's parameters, and the state is read from the
+    original parameters (the optimizer's); with ``use_orig_params=False`` it sets them as plain tensor attributes,
+    which the program reads by name, and the state is the flat parameters' (their versions, and their local shards'
+    values). With ``mixed_precision`` the gathered flat parameter is in ``param_dtype``, and so are the program's
+    weights; the state is read from the sharded full-precision values, which determine the gathered ones."""
     from torch.distributed.fsdp import FullyShardedDataParallel
     from torch.distributed.fsdp._flat_param import HandleShardingStrategy
 
+    from ..backbones.plain import fsdp1_unit_of
     from .regional import transformer_blocks
 
     head = "FSDP1 (FullyShardedDataParallel)"
-    if not isinstance(module, FullyShardedDataParallel):
-        return (f"{head} shards the module's parameters, and leancompile.wrap wraps a module that is not the "
-                "FullyShardedDataParallel root (wrapped before FSDP1, or around it); FSDP1 is served per block where "
-                "the FullyShardedDataParallel module itself is wrapped: wrap after FSDP1")
+    units = [m for m in module.modules() if isinstance(m, FullyShardedDataParallel)]
+    blocks = {id(fsdp1_unit_of(b)) for b in transformer_blocks(module)}
+    others = [u for u in units if u is not module and id(u) not in blocks]
+    if others:
+        return (f"{head} is served per block where the wrapped module is the FullyShardedDataParallel root (wrapped "
+                "after FSDP1) or the module it holds (wrapped before FSDP1), its other units the transformer "
+                f"blocks'; it holds the unit {type(others[0].module).__name__}: wrap the root or the module it holds, "
+                "with an auto-wrap policy per block class")
     if schedule == "reweight":
         return (f"{head} with schedule='reweight': Reweight's loss heads would run FSDP1's gathers for blocks they "
                 "answer from kept outputs, which is not served yet; use schedule='retain'")
     if per_block is False:
         return f"{head} is served per block only; per_block=False keeps the whole call, whose trace FSDP1's " \
             "gathers would leave"
-    units = [m for m in module.modules() if isinstance(m, FullyShardedDataParallel)]
     for unit in units:
         handle = unit._handle
         if handle is None:
             continue
-        if not handle._use_orig_params:
-            return (f"{head} with use_orig_params=False registers a block's parameters in its forward only as plain "
-                    "attributes viewing the flat parameter, which the per-block program does not read yet; use "
-                    "use_orig_params=True")
         if handle._sharding_strategy not in (HandleShardingStrategy.FULL_SHARD, HandleShardingStrategy.SHARD_GRAD_OP):
-            return (f"{head} with sharding strategy {handle._sharding_strategy.name} is not served yet (FSDP1 "
-                    "served per block: FULL_SHARD and SHARD_GRAD_OP)")
-        if handle._uses_param_mixed_precision:
-            return (f"{head} with mixed_precision (parameters gathered in another dtype than their own) is not "
-                    "served yet")
+            return (f"{head} with sharding_strategy={handle._sharding_strategy.name} is not served yet; use "
+                    "sharding_strategy=FULL_SHARD or SHARD_GRAD_OP")
         if handle._offload_params:
-            return f"{head} with CPU offload is not served yet"
-    unwrapped = [b for b in transformer_blocks(module) if not isinstance(b, FullyShardedDataParallel)]
+            return (f"{head} with cpu_offload=CPUOffload(offload_params=True) is not served yet (FSDP1's CPU offload "
+                    "needs an accelerator, and the per-block path is tested on CPU ranks); drop cpu_offload")
+    unwrapped = [b for b in transformer_blocks(module) if fsdp1_unit_of(b) is None]
     if unwrapped or not transformer_blocks(module):
         return (f"{head} is served per block where each transformer block is its own unit (an auto-wrap policy per "
                 f"block class); {type(unwrapped[0]).__name__ if unwrapped else 'no block'} is not")

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch.utils.hooks import RemovableHandle
 
-from ..backbones.plain import fsdp1_unit, named_weights
+from ..backbones.plain import fsdp1_shard, fsdp1_unit, named_weights
 from ..plan import VALUES
 from .calls import Call, argument_paths
 from .digest import Unreadable, digest
@@ -142,7 +142,8 @@ class StateReader:
         # What the weights are copies of (FSDP2 shards) is versioned and digested too.
         self.versioned = [*self.tensors, *sources]
         skip = {id(t) for t in others}
-        self.digested = [(name, t) for name, t in zip(self.tensor_names, self.versioned)
+        # An FSDP1 flat parameter's version moves at each optimizer step, its values are read from its shard
+        self.digested = [(name, fsdp1_shard(t)) for name, t in zip(self.tensor_names, self.versioned)
                          if id(t) not in skip and verify == VALUES]
         # The attributes compared: (instance dict, name) of each plain one, and of each container of plain ones
         # A LoRA layer's lists and dicts: its active adapter, scaling and merged adapters (its others, such as each

@@ -61,13 +61,15 @@ class RegionalEngine:
                  block_runtime: Callable[[], ScheduleRuntime], tune_matmuls: bool = True,
                  history: PassHistory | None = None, shared: tuple[str, ...] = (),
                  call_shared: frozenset[str] = frozenset(), fractions: tuple[float, ...] = (1.0,),
-                 policy: KeepPolicy | None = None, verify: str = VALUES):
+                 policy: KeepPolicy | None = None, verify: str = VALUES,
+                 checkpoints: list[torch.nn.Module | None] | None = None):
         """``block_runtime`` makes each block's schedule runtime; it must serve calls whose inputs require grad.
         ``shared``: the blocks' arguments that every row shares whatever their leading size (a family's
         ``block_shared``); ``call_shared``: the backbone's (see runtime.calls). ``fractions``: the activation
         memory budgets the plan keeps steps at (each block's partition at each). ``policy``: which backbone calls
         to keep (their blocks keep theirs). ``verify``: what an answer is checked against besides the state
-        (plan.VERIFY)."""
+        (plan.VERIFY). ``checkpoints``: per block, the checkpoint wrapper around the FSDP1 unit that holds it
+        (activation checkpointing applied before FSDP1; None: none)."""
         self.backbone = backbone
         self.verify = verify
         self.call_shared = call_shared
@@ -86,6 +88,8 @@ class RegionalEngine:
             self.engines.append(ReuseEngine(block, block_runtime(), rowwise, policy, native=native, log=self.log,
                                             shared=frozenset(shared), verified=self._verified, verify=verify))
         self._routes = [_ByName(engine, block) for block, engine in zip(self.blocks, self.engines)]
+        self._checkpoints = [(wrapper, self._checkpointed_unless_verified(wrapper))
+                             for wrapper in checkpoints or () if wrapper is not None]
         # The kept backbone calls (inputs and state; the blocks keep the rest, and digest their own weights)
         self.reader = StateReader(backbone, others=[t for engine in self.engines for t in engine.reader.versioned],
                                   verify=verify)
@@ -304,11 +308,26 @@ class RegionalEngine:
         for i, (block, route) in enumerate(zip(self.blocks, self._routes)):
             # an idle block is not the engine's: nothing of it is kept or looked up
             block.forward = torch.no_grad()(self.engines[i].native) if i in self._idle else route
+        for wrapper, forward in self._checkpoints:
+            wrapper.forward = forward
         try:
             yield
         finally:
-            for block in self.blocks:
-                del block.forward
+            for module in (*self.blocks, *(wrapper for wrapper, _ in self._checkpoints)):
+                del module.forward
+
+    def _checkpointed_unless_verified(self, wrapper: torch.nn.Module) -> Callable:
+        """The forward of a checkpoint wrapper around a block's FSDP1 unit while the blocks are routed: a verified
+        or kept backbone call's block runs without the wrapper's checkpointing (the block's engine keeps what its
+        backward reads, and a recompute would run the block natively again), any other call's checkpointed as
+        natively."""
+        checkpointed = type(wrapper).forward.__get__(wrapper)
+        unit = wrapper._checkpoint_wrapped_module
+
+        def forward(*args, **kwargs):
+            return (checkpointed if self._current.rows is None else unit)(*args, **kwargs)
+
+        return forward
 
     @contextlib.contextmanager
     def _blocks_doing(self, directive: Directive, action: StepAction | None):

@@ -28,6 +28,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from ..backbones.checkpointing import without_checkpointing
+from ..backbones.plain import parameters_by_name
 from ..passes import pipeline
 from ..passes.eager_bits import EAGER_DECOMPOSITIONS, keeping_whole
 from ..passes.graph import reading_data
@@ -78,10 +79,11 @@ class RowwiseBackbone:
         # pre-forward and the shards after); otherwise looked up once: walking the modules costs milliseconds per step.
         self.live_weights = live_weights
         self.input_grads = input_grads  # compile the gradients of the floating row inputs too (a block's states)
-        self._params = dict(backbone.named_parameters())
+        self._params = parameters_by_name(backbone)
         self._buffers = dict(backbone.named_buffers())
         # Where each parameter is read by name (live weights): FSDP1 registers its gathered views as parameters in a
-        # unit's forward, but as plain attributes in its pre-backward, which named_parameters() does not list
+        # unit's forward, but as plain attributes in its pre-backward (and always, with use_orig_params=False),
+        # which named_parameters() does not list
         self._places = [(name, backbone.get_submodule(name.rpartition(".")[0]), name.rpartition(".")[2])
                         for name in self._params]
         self._weight_values: tuple = ((), None)  # (key, versions, ids), the weight-only saved tensors

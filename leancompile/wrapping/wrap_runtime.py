@@ -13,7 +13,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from ..backbones.families import family_of
-from ..backbones.plain import fsdp1_unit, fully_sharded, named_weights
+from ..backbones.plain import fsdp1_routed, fsdp1_unit, fully_sharded, named_weights
 from ..passes.pipeline import PassHistory
 from ..plan import AUTO, Action, Schedule, StepAction
 from ..request import Request
@@ -380,14 +380,15 @@ def build_engine(module: torch.nn.Module, request: Request) -> tuple:
             raise ValueError("the module is sharded by FSDP2, whose calls are served per block, and bitwise=True "
                              "keeps the eager graph of the whole call: drop bitwise=True")
         # an FSDP1 unit's own forward gathers and frees around the block it wraps, whose forward is routed
-        blocks = [b._fsdp_wrapped_module if fsdp1_unit(b) else b for b in transformer_blocks(module)]
+        routes = [fsdp1_routed(b) for b in transformer_blocks(module)]
+        blocks, checkpoints = [block for block, _ in routes], [wrapper for _, wrapper in routes]
         if not blocks:
             raise ValueError(f"per_block=True: {type(module).__name__} has no stack of identical blocks (an "
                              "nn.ModuleList of modules of one class); use per_block=False")
         family = family_of(module)
         engine = RegionalEngine(module, blocks, schedule_runtime.for_block, tune_matmuls, PassHistory(),
                                 shared=family.block_shared if family else (), call_shared=frozenset(shared),
-                                policy=policy, verify=request.verify)
+                                policy=policy, verify=request.verify, checkpoints=checkpoints)
     else:
         per_row = {1.0: RowwiseBackbone(module, tune_matmuls=tune_matmuls)}
         engine = ReuseEngine(module, schedule_runtime, per_row, policy, shared=frozenset(shared), native=native,
