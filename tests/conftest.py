@@ -1,5 +1,7 @@
 import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -16,10 +18,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 # Tiny models gain nothing from intra-op threads, and lose much when the cores are shared.
 torch.set_num_threads(1)
 
-# Each test compiles its own programs: the on-disk program cache (runtime.program_cache) would let one test's
-# entries answer another's compile, past the failures some tests inject into it. tests/test_program_cache.py
-# turns it on in a folder of its own.
-os.environ["LEANCOMPILE_CACHE"] = "0"
+# The program cache on disk (runtime.program_cache) is this run's own, shared by its worker processes and the ranks
+# they spawn: a graph one test compiled is read by the next that compiles it, as a user's second process reads it
+# (each is compiled for real once per run). Tests that inject failures into the compile turn it off
+# (tests/test_no_trace.py); tests/test_program_cache.py gives it folders of its own.
+_RUN = os.environ.get("PYTEST_XDIST_TESTRUNUID") or str(os.getpid())
+os.environ["LEANCOMPILE_CACHE_DIR"] = str(Path(tempfile.gettempdir()) / f"leancompile-tests-{_RUN}")
+os.environ["LEANCOMPILE_CACHE"] = "1"
+
+
+def pytest_sessionfinish(session):
+    """The run's cache goes with the run (the controller, or a run without workers, removes it)."""
+    if not hasattr(session.config, "workerinput"):
+        shutil.rmtree(os.environ["LEANCOMPILE_CACHE_DIR"], ignore_errors=True)
 
 # CI explores a fixed sample of each property (reproducible landings); runs elsewhere draw new examples. No
 # deadline: the test files run in parallel worker processes, and a slow example is not a wrong one.

@@ -68,6 +68,12 @@ STAGES = {"trace": (rowwise, "keeping_whole"), "partition": (rowwise, "random_op
           "served forward": (engine._Served, "forward"), "served backward": (retain.Retain, "gradients")}
 
 
+@pytest.fixture(autouse=True)
+def compiled_here(monkeypatch):
+    """Each stage runs for real: no program is read from the cache past the failure injected into it."""
+    monkeypatch.setenv("LEANCOMPILE_CACHE", "0")
+
+
 @pytest.mark.parametrize("stage", ["trace", "partition", "compile", "keep",
                                    pytest.param("served forward", marks=pytest.mark.fast), "served backward"])
 def test_a_failure_at_any_stage_leaves_the_module_as_it_was_and_runs_it_natively(monkeypatch, stage):
