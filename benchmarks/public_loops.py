@@ -26,24 +26,35 @@ from leancompile.trainers.sampling import dance_step, flow_sde_step, shifted_sig
 
 
 @dataclass(frozen=True)
-class Setup:
-    sizes: tuple = ()  # overrides of the tiny Flux config, as (key, value) pairs
+class LoopSetup:
+    """What every loop here shares: the backbone's sizes, the group, the sampler's noise, PPO's clipping."""
+
+    sizes: tuple = ()  # overrides of the tiny backbone's config, as (key, value) pairs
+    prompts: int = 2
+    group: int = 2
+    eta: float = 0.3
+    guidance: float = 3.5
+    clip_range: float = 1e-4
+    adv_clip_max: float = 5.0
+    seed: int = 0
+    device: str = "cpu"
+    schedule: str = "retain"  # leancompile's, where the loop wraps its transformer
+
+
+@dataclass(frozen=True)
+class Setup(LoopSetup):
+    """FlowGRPO's FLUX loop."""
+
     weights: str = "bf16"  # "bf16": bf16 weights; "fp32": float32 weights (both under bf16 autocast)
     num_steps: int = 4  # denoising steps
     train_steps: tuple = ()  # the steps the update trains, in order (empty: all)
     optimizer_steps: int = 1  # per rollout, each over its share of the samples
     micro_batch: int = 0  # samples per update call (0: the optimizer step's share at once)
     shuffle: bool = False  # the samples in a random order before they are split (FlowGRPO's per-epoch shuffle)
-    prompts: int = 2
     group: int = 4
     eta: float = 0.7
-    guidance: float = 3.5
     clip_range: float = 1e-5
-    adv_clip_max: float = 5.0
     lora_rank: int = 4
-    seed: int = 0
-    device: str = "cpu"
-    schedule: str = "retain"  # leancompile's, where the loop wraps its transformer
 
     @property
     def trained(self) -> tuple:
@@ -174,19 +185,12 @@ class FlowGRPOFluxLoop:
 
 
 @dataclass(frozen=True)
-class WanSetup:
-    sizes: tuple = ()  # overrides of the tiny Wan config, as (key, value) pairs
+class WanSetup(LoopSetup):
+    """DanceGRPO's Wan loop."""
+
     num_steps: int = 8
     timestep_fraction: float = 0.6  # of the steps, drawn per sample after the rollout
-    prompts: int = 2
-    group: int = 2
     guidance: float = 5.0
-    eta: float = 0.3
-    clip_range: float = 1e-4
-    adv_clip_max: float = 5.0
-    seed: int = 0
-    device: str = "cpu"
-    schedule: str = "retain"
 
 
 class DanceGRPOWanLoop:
