@@ -108,7 +108,10 @@ def _predicted(trainer, samples: int) -> dict:
         scenario = trainer_scenario(view, samples, world_size=WORLD, sharding="fsdp", advantage_free=True,
                                     buffers=reweight_buffers(trainer.config, True, samples))
         cost = plan(scenario, live_device("cpu"), 1 << 50, estimators=estimators())
-    return {name: cost[name].peak_bytes for name in ("native", "retain", "reweight")}
+    # The measured peak sums what a rank holds besides the block weights FSDP2 gathers around each call (the CPU has
+    # no allocator peak that would show them): the planner's gathered blocks are left out of its side too.
+    return {name: cost[name].peak_bytes - dict(cost[name].components).get("gathered blocks", 0)
+            for name in ("native", "retain", "reweight")}
 
 
 @pytest.fixture(scope="module")
