@@ -242,8 +242,36 @@ def test_auto_keeps_serving_where_the_program_is_not_slower(monkeypatch):
         _update(wrapped, **inputs)
         optimizer.step()
     notes = [r.reason for r in wrapped.last_calls if r.kind == "auto"]  # read before stats() clears them
-    assert len(notes) == 1 and "the compile took" in notes[0] and "repaid after" in notes[0], notes
+    assert len(notes) == 2 and all("the compile took" in n and "repaid after" in n for n in notes), notes
     assert wrapped.stats()["served_calls"] == 2
+
+
+def test_auto_counts_a_compile_that_recurs_at_every_step(monkeypatch):
+    """TRL calls transformers' ``enable_input_require_grads`` at every step, which adds one more hook to the
+    embeddings each time: the module's state differs at each step, and each step compiles a program again. auto
+    counts that compile in the second step it weighs (the first step's is paid once) and runs natively."""
+    runtime = sys.modules["leancompile.wrapping.wrap_runtime"]
+    monkeypatch.setattr(runtime, "program_seconds_per_row", lambda records, action: 0.01)
+    monkeypatch.setattr(runtime, "forward_seconds", lambda *_: 0.005 * 3)  # the program saves 45 ms a step
+    monkeypatch.setattr(runtime, "update_seconds", lambda *_: 0.03 * 3)
+    monkeypatch.setattr(auto, "AUTO_FLOOR", FLOOR)
+    module, inputs = _sd3()
+    wrapped = leancompile.wrap(module, schedule="auto")
+    optimizer = torch.optim.SGD(wrapped.parameters(), lr=1e-3)
+    caught = []
+    for step in range(2):
+        module.pos_embed.register_forward_hook(lambda m, args, out: None)  # one more each step
+        with torch.no_grad():
+            wrapped(**inputs, return_dict=False)
+        _update(wrapped, **inputs)
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            optimizer.step()
+        caught += [str(w.message) for w in said if "auto:" in str(w.message)]
+        assert (wrapped.stats()["stopped"] is None) == (step == 0)
+    assert len(caught) == 1 and "s compiling again" in caught[0], caught
+
+
 
 
 def test_compile_time_is_counted_apart_from_the_calls_it_compiled_for():

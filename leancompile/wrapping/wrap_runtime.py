@@ -30,8 +30,10 @@ from .watch import FIXES, REGISTRATIONS, NothingServedError, NothingServedWarnin
 from .wrapped import RUNTIME, untraced, wrapped_class
 
 
-# auto: native is timed on this many kept calls and served calls each (beside the program: like with like)
+# auto: native is timed on this many kept calls and served calls each (beside the program: like with like), and
+# this many steps that served calls are weighed (the second counts a compile that recurs)
 NATIVE_SAMPLES = 3
+WEIGHED_STEPS = 2
 
 # Rollouts in a row whose kept calls served none of the update's, after which nothing more is kept
 BARREN_ROLLOUTS = 2
@@ -80,6 +82,8 @@ class WrapRuntime:
         auto = self.request.schedule == AUTO and isinstance(self.engine, ReuseEngine)
         self.native: dict[str, list[float]] | None = {"kept": [], "served": []} if auto else None
         self.checks = 0.0  # the engine's check seconds in the calls since the last optimizer step
+        self.weighed = 0  # steps weighed so far (of WEIGHED_STEPS)
+        self.compiled = 0.0  # the engine's compile seconds at the last optimizer step
 
     @property
     def serving(self) -> "WrapRuntime":
@@ -228,27 +232,34 @@ class WrapRuntime:
             if rows and len(self.native[action]) < NATIVE_SAMPLES:
                 self.native[action].append(native() / rows)
 
-    def _weigh(self, window: list[CallRecord], checks: float) -> None:
-        """auto, once, at the first optimizer step after served calls: the program's time for the window's kept and
-        served rows (each kind's median seconds per row, compile excluded, and the engine's checks) against
-        native's for the same rows (its medians, timed beside the program's). Where the program is measured slower
+    def _weigh(self, window: list[CallRecord], checks: float, compiled: float) -> None:
+        """auto, at the first ``WEIGHED_STEPS`` optimizer steps after served calls: the program's time for the
+        window's kept and served rows (each kind's median seconds per row, and the engine's checks) against native's
+        for the same rows (its medians, timed beside the program's). The first step's compile is paid once; a later
+        weighed step that compiles again (``compiled`` seconds since the last optimizer step: new shapes, or a state
+        that differs at every step) counts it, as every step will pay it. Where the program is measured slower
         (:func:`leancompile.runtime.auto.slower`), nothing more is kept: the loop runs natively from then on, and
-        says why; otherwise the verdict, with the steps its compile takes to repay, is noted in ``last_calls``."""
+        says why; otherwise the verdict, with the steps the first compile takes to repay, is noted in
+        ``last_calls``."""
         if self.native is None or self.policy.stopped or not all(self.native.values()):
             return
+        again = compiled if self.weighed else 0.0
+        self.weighed += 1
         rows = {action: sum(r.rows for r in window if r.action == action) for action in self.native}
         native = sum(rows[action] * statistics.median(times) for action, times in self.native.items())
-        program = sum(rows[action] * program_seconds_per_row(window, action) for action in rows) + checks
+        program = sum(rows[action] * program_seconds_per_row(window, action) for action in rows) + checks + again
         samples = min(map(len, self.native.values()))
-        self.native = None  # weighed once
-        compiled = self.engine.compiled_seconds
+        if self.weighed == WEIGHED_STEPS:
+            self.native = None
+        recompiled = f", {again:.3g} s compiling again" if again else ""
         verdict = (f"auto: this step's {rows['kept']} kept and {rows['served']} served rows took the per-row program "
-                   f"{program * 1e3:.3g} ms (forwards and keeps, backwards, checks), native {native * 1e3:.3g} ms "
-                   f"(timed beside the program on {samples}+ calls of each): {native / program:.2f}x")
+                   f"{program * 1e3:.3g} ms (forwards and keeps, backwards, checks{recompiled}), native "
+                   f"{native * 1e3:.3g} ms (timed beside the program on {samples}+ calls of each): "
+                   f"{native / program:.2f}x")
         if not slower(program, native):
-            repaid = f", repaid after {compiled / (native - program):.0f} such steps" if native > program else ""
-            self.notes.append(CallRecord("weighed", 0, f"{verdict}; the compile took {compiled:.1f} s{repaid}",
-                                         "auto"))
+            first = self.engine.compiled_seconds
+            repaid = f", repaid after {first / (native - program):.0f} such steps" if native > program else ""
+            self.notes.append(CallRecord("weighed", 0, f"{verdict}; the compile took {first:.1f} s{repaid}", "auto"))
             return
         self.policy.stop(f"{verdict}, slower than native: the module runs natively from now on")
         self.engine.release(self.policy.stopped)
@@ -272,6 +283,7 @@ class WrapRuntime:
         """An optimizer step over the module's weights: warn once per cause where the calls with grad since the
         previous step were all recomputed (or none was seen while the weights have gradients)."""
         window, self.window, checks, self.checks = self.window, [], self.checks, 0.0
+        compiled, self.compiled = self.engine.compiled_seconds - self.compiled, self.engine.compiled_seconds
         if self.below is not None:
             below = self.below[1].__dict__[RUNTIME]
             window, below.window = window + below.window, []
@@ -281,7 +293,7 @@ class WrapRuntime:
         # a window without kept calls (the second optimizer step on one rollout) leaves the count as it is
         self.barren = 0 if served else self.barren + any(r.action == "kept" for r in window)
         if served:
-            self._weigh(window, checks)
+            self._weigh(window, checks, compiled)
             return
         if self.policy.stopped:  # auto chose native, or the rollouts' calls served nothing, and it said so
             return
