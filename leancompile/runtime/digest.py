@@ -117,8 +117,8 @@ def _row_sums(rows: torch.Tensor) -> torch.Tensor:
     weights = _weights(ROW, rows.device, seed=0)
     if rows.device.type != "cpu":
         return rows.to(torch.int64).mul_(weights).sum(dim=1)
-    sums = torch.empty(rows.shape[0], dtype=torch.int64)
-    wide = torch.empty((min(CHUNK, rows.shape[0]), ROW), dtype=torch.int64)
+    sums = torch.empty(rows.shape[0], dtype=torch.int64, device=rows.device)
+    wide = torch.empty((min(CHUNK, rows.shape[0]), ROW), dtype=torch.int64, device=rows.device)
     for start in range(0, rows.shape[0], CHUNK):
         part = rows[start:start + CHUNK]
         torch.mv(wide[:len(part)].copy_(part), weights, out=sums[start:start + len(part)])
