@@ -85,6 +85,12 @@ class WrapRuntime:
         self.weighed = 0  # steps weighed so far (of WEIGHED_STEPS)
         self.compiled = 0.0  # the engine's compile seconds at the last optimizer step
 
+    def chain(self):
+        """This runtime and those of the submodules serving the calls refused here, top down."""
+        yield self
+        if self.below is not None:
+            yield from self.below[1].__dict__[RUNTIME].chain()
+
     @property
     def serving(self) -> "WrapRuntime":
         """The runtime whose engine serves: this one's, or the submodule's once this one's calls were refused."""
@@ -214,7 +220,7 @@ class WrapRuntime:
             reasons = Counter(stats["recompute_reasons"]) + Counter(below["recompute_reasons"])
             stats = {k: stats.get(k, 0) + v for k, v in below.items() if isinstance(v, (int, float))}
             stats.update(recompute_reasons=dict(reasons), served_by=self.below[0])
-        stats["stopped"] = self.policy.stopped
+        stats["stopped"] = self.serving.policy.stopped
         refused = [r for r in self.notes if r.action == "recomputed"]  # run natively by the wrapper (FSDP1)
         if refused:
             stats["recomputed_calls"] += len(refused)
@@ -266,11 +272,11 @@ class WrapRuntime:
         self.notes.append(CallRecord("native", 0, self.policy.stopped, "auto"))
         warnings.warn(f"leancompile.wrap: {self.policy.stopped}", NothingServedWarning, stacklevel=5)
 
-    def _stop_keeping(self, with_grad: list[CallRecord]) -> None:
+    def _stop_keeping(self, with_grad: list[CallRecord], rollouts: int) -> None:
         """The calls kept in the last rollouts served none of the update's: keeping them costs the per-row program's
         time and their memory for nothing, so nothing more is kept and the module runs natively, saying why."""
         kind, reason, fix = _commonest(with_grad)
-        self.policy.stop(f"the update served none of the calls kept in the last {self.barren} rollouts ({kind}: "
+        self.policy.stop(f"the update served none of the calls kept in the last {rollouts} rollouts ({kind}: "
                          f"{reason}; fix: {fix}): the module runs natively from now on")
         self.engine.release(self.policy.stopped)
         self.notes.append(CallRecord("native", 0, self.policy.stopped, "stopped"))
@@ -279,26 +285,33 @@ class WrapRuntime:
             raise NothingServedError(message)
         warnings.warn(message, NothingServedWarning, stacklevel=5)
 
-    def stepped(self) -> None:
-        """An optimizer step over the module's weights: warn once per cause where the calls with grad since the
-        previous step were all recomputed (or none was seen while the weights have gradients)."""
+    def _take(self) -> tuple[list[CallRecord], float, float]:
+        """The calls since the last optimizer step, here and in the submodules serving for this module, with their
+        engines' check and compile seconds in them; the next step's count starts from zero."""
         window, self.window, checks, self.checks = self.window, [], self.checks, 0.0
         compiled, self.compiled = self.engine.compiled_seconds - self.compiled, self.engine.compiled_seconds
         if self.below is not None:
-            below = self.below[1].__dict__[RUNTIME]
-            window, below.window = window + below.window, []
+            more = self.below[1].__dict__[RUNTIME]._take()
+            window, checks, compiled = window + more[0], checks + more[1], compiled + more[2]
+        return window, checks, compiled
+
+    def stepped(self) -> None:
+        """An optimizer step over the module's weights: warn once per cause where the calls with grad since the
+        previous step were all recomputed (or none was seen while the weights have gradients)."""
+        window, checks, compiled = self._take()
+        serving = self.serving  # a submodule's, once calls were refused here: it keeps, so auto weighs it
         with_grad = [r for r in window if r.action in ("served", "recomputed")]
         served = sum(r.action == "served" for r in with_grad)
         self.served_ever |= served > 0
         # a window without kept calls (the second optimizer step on one rollout) leaves the count as it is
         self.barren = 0 if served else self.barren + any(r.action == "kept" for r in window)
         if served:
-            self._weigh(window, checks, compiled)
+            serving._weigh(window, checks, compiled)
             return
-        if self.policy.stopped:  # auto chose native, or the rollouts' calls served nothing, and it said so
+        if serving.policy.stopped:  # auto chose native, or the rollouts' calls served nothing, and it said so
             return
         if with_grad and self.barren >= BARREN_ROLLOUTS:
-            self._stop_keeping(with_grad)
+            serving._stop_keeping(with_grad, self.barren)
             return
         if not with_grad:
             if not any(p.grad is not None for p in self.trainable):

@@ -62,7 +62,7 @@ class Wrapped(torch.nn.Module):
     def last_calls(self) -> list:
         """What the engine did with each call since ``stats()`` was last read."""
         runtime = self.__dict__[RUNTIME]
-        return [*runtime.notes, *runtime.serving.engine.log.records]
+        return [*(note for each in runtime.chain() for note in each.notes), *runtime.serving.engine.log.records]
 
     def release(self) -> None:
         """Free every kept call now (they are freed anyway once the weights change)."""
