@@ -83,17 +83,20 @@ class _Program:
 
 def measure_loop(name: str, repetitions: int, device: str = "cpu") -> dict:
     """One row: the loop natively and wrapped, stepped in alternation after three warm-up steps each (the last
-    counts the FLOPs)."""
+    counts the FLOPs; under auto, after its trial too)."""
     loop_class, config = LOOPS[name]
     config = _on(device, name, config)
     programs = {"native": _Program(loop_class(config, use_leancompile=False)),
                 "wrapped": _Program(loop_class(config, use_leancompile=True))}
     flops, first = {}, {}
     for key, program in programs.items():
-        first[key] = program.step(None)  # compiles, traces
-        # auto weighs the first two steps that serve calls (wrap_runtime.WEIGHED_STEPS): not under the FLOP
-        # counter's dispatch mode, which slows the program's many small operators more than native's
+        first[key] = stats = program.step(None)  # compiles, traces
         program.step(None)
+        # auto's trial alternates native and program cycles until its verdict (wrapping.auto_trial): timed as the
+        # loop runs then, and not under the FLOP counter's dispatch mode, which slows the program's many small
+        # operators more than native's
+        while stats.get("trying"):
+            stats = program.step(None)
         flops[key] = counted_step(program, None)[1]
     times, stats = interleaved_times(programs, None, repetitions)
     backbone, trainer = name.split("/")[:2]

@@ -2,7 +2,8 @@
 its bound call, a forward assigned on it still runs through the engine, an output that is not one row-laid tensor
 is served through the submodule that computes its rows, and a loop that gains nothing is told so."""
 import copy
-import sys
+import functools
+import itertools
 import types
 import warnings
 
@@ -12,6 +13,7 @@ import torch
 import leancompile
 from leancompile import backbones
 from leancompile.runtime import auto
+from leancompile.wrapping.wrapped import RUNTIME
 
 FLOOR = auto.AUTO_FLOOR  # read before conftest's fixture sets it to 0 for the suite
 
@@ -198,80 +200,113 @@ def test_torchs_batching_rule_warnings_do_not_reach_the_user():
     assert not [w for w in caught if "performance drop" in str(w.message)]
 
 
-def test_auto_measures_the_program_against_native_and_runs_natively_where_it_is_slower(monkeypatch):
-    """Native's time per row measured beside the program is made a thousandth of a nanosecond here, so that the
-    program is slower whatever the machine: after the first optimizer step that followed served calls, auto keeps
-    nothing more, says why, and the loop's gradient stays native's."""
-    for timed in ("forward_seconds", "update_seconds"):
-        monkeypatch.setattr(sys.modules["leancompile.wrapping.wrap_runtime"], timed, lambda *_: 1e-12)
-    monkeypatch.setattr(auto, "AUTO_FLOOR", FLOOR)  # the suite's own is 0 (conftest)
-    module, inputs = _sd3()
-    wrapped = leancompile.wrap(module, schedule="auto")
-    optimizer = torch.optim.SGD(wrapped.parameters(), lr=1e-3)
+def _clock(native: float, program: float):
+    """auto's clock, read where each cycle begins: the first (compiling) cycle takes 10 s, then the cycles
+    alternate native's ``native`` seconds and the program's ``program``."""
+    times = itertools.accumulate(itertools.chain([0.0, 10.0], itertools.cycle([native, program])))
+    return lambda: next(times)
+
+
+def _cycle(wrapped, native, optimizers, inputs, notes: list | None = None) -> dict:
+    """One cycle of a loop (a rollout call, an update, an optimizer step), natively on ``native`` alongside: the
+    gradients are native's; returns the wrapped module's stats, and adds auto's notes to ``notes``."""
     with torch.no_grad():
         wrapped(**inputs, return_dict=False)
-    _update(wrapped, **inputs)
-    with pytest.warns(leancompile.NothingServedWarning, match="auto: this step's 3 kept and 3 served rows took the"):
+    torch.testing.assert_close(_update(wrapped, **inputs), _update(native, **inputs), rtol=1e-10, atol=1e-12)
+    for optimizer in optimizers:
         optimizer.step()
+    if notes is not None:
+        notes += [r.reason for r in wrapped.last_calls if r.kind == "auto"]  # before stats() clears them
+    return wrapped.stats()
+
+
+def _trial(monkeypatch, native_seconds: float, program_seconds: float):
+    monkeypatch.setattr(auto, "AUTO_FLOOR", FLOOR)  # the suite's own is 0 (conftest): no trial
+    monkeypatch.setattr(auto, "now", _clock(native_seconds, program_seconds))
+    module, inputs = _sd3()
+    native = copy.deepcopy(module)
+    wrapped = leancompile.wrap(module, schedule="auto")
+    optimizers = [torch.optim.SGD(m.parameters(), lr=1e-3) for m in (wrapped, native)]
+    cycle = functools.partial(_cycle, wrapped, native, optimizers, inputs)
+    return wrapped, lambda *notes: cycle(*notes)["served_calls"]
+
+
+def test_auto_tries_whole_cycles_natively_and_with_the_program_and_runs_natively_where_slower(monkeypatch):
+    """After the first (compiling) cycle, three pairs of cycles alternate native (nothing kept, nothing said) and
+    the program; measured slower, the loop runs natively from the next rollout on, and says so once."""
+    wrapped, cycle = _trial(monkeypatch, native_seconds=1.0, program_seconds=2.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", leancompile.NothingServedWarning)
+        assert [cycle() for _ in range(7)] == [1, 0, 1, 0, 1, 0, 1]
+    notes = []
+    with pytest.warns(leancompile.NothingServedWarning, match=r"took 1 s and 2 s a cycle \(medians\): 0.50x, below "):
+        served = cycle(notes)
+    assert served == 0 and len(notes) == 1 and "runs natively from now on" in notes[0]
     with warnings.catch_warnings():
         warnings.simplefilter("error", leancompile.NothingServedWarning)  # said once
-        with torch.no_grad():
-            wrapped(**inputs, return_dict=False)
-        _update(wrapped, **inputs)
-        optimizer.step()
-    notes = [r for r in wrapped.last_calls if r.kind == "auto"]
-    assert len(notes) == 1 and "runs natively from now on" in notes[0].reason
+        assert cycle() == 0
+    assert "runs natively from now on" in wrapped.stats()["stopped"]
+
+
+def test_auto_keeps_the_program_where_it_is_faster_and_says_when_its_compile_is_repaid(monkeypatch):
+    wrapped, cycle = _trial(monkeypatch, native_seconds=2.0, program_seconds=1.0)
+    assert [cycle() for _ in range(7)] == [1, 0, 1, 0, 1, 0, 1]
+    assert wrapped.stats()["trying"]
+    notes = []
+    assert cycle(notes) == 1
+    assert len(notes) == 1 and "2.00x" in notes[0] and "is repaid after" in notes[0], notes
+    assert [cycle() for _ in range(2)] == [1, 1]
     stats = wrapped.stats()
-    assert stats["served_calls"] == 1 and stats["recompute_reasons"] == {"freed": 1}, stats
-    assert "runs natively from now on" in stats["stopped"]
-    grads = _update(wrapped, **inputs)
-    leancompile.unwrap(wrapped)
-    torch.testing.assert_close(grads, _update(module, **inputs), rtol=1e-10, atol=1e-12)
+    assert stats["stopped"] is None and not stats["trying"]
 
 
-def test_auto_keeps_serving_where_the_program_is_not_slower(monkeypatch):
-    for timed in ("forward_seconds", "update_seconds"):
-        monkeypatch.setattr(sys.modules["leancompile.wrapping.wrap_runtime"], timed, lambda *_: 1e6)
+class _Scored(torch.nn.Module):
+    """A head that reduces its transformer's output over the rows (as TRL's fused loss does): its own calls cannot
+    be kept by row, and its transformer serves them."""
+
+    def __init__(self, transformer: torch.nn.Module):
+        super().__init__()
+        self.transformer = transformer
+
+    def forward(self, return_dict: bool = False, **inputs):
+        return (self.transformer(**inputs, return_dict=return_dict)[0].mean(),)
+
+
+def test_auto_stops_the_submodule_that_serves_once_calls_descended(monkeypatch):
     monkeypatch.setattr(auto, "AUTO_FLOOR", FLOOR)
+    monkeypatch.setattr(auto, "now", _clock(1.0, 2.0))
     module, inputs = _sd3()
-    wrapped = leancompile.wrap(module, schedule="auto")
-    optimizer = torch.optim.SGD(wrapped.parameters(), lr=1e-3)
-    for _ in range(2):
-        with torch.no_grad():
-            wrapped(**inputs, return_dict=False)
-        _update(wrapped, **inputs)
-        optimizer.step()
-    notes = [r.reason for r in wrapped.last_calls if r.kind == "auto"]  # read before stats() clears them
-    assert len(notes) == 2 and all("the compile took" in n and "repaid after" in n for n in notes), notes
-    assert wrapped.stats()["served_calls"] == 2
-
-
-def test_auto_counts_a_compile_that_recurs_at_every_step(monkeypatch):
-    """TRL calls transformers' ``enable_input_require_grads`` at every step, which adds one more hook to the
-    embeddings each time: the module's state differs at each step, and each step compiles a program again. auto
-    counts that compile in the second step it weighs (the first step's is paid once) and runs natively."""
-    runtime = sys.modules["leancompile.wrapping.wrap_runtime"]
-    monkeypatch.setattr(runtime, "program_seconds_per_row", lambda records, action: 0.01)
-    monkeypatch.setattr(runtime, "forward_seconds", lambda *_: 0.005 * 3)  # the program saves 45 ms a step
-    monkeypatch.setattr(runtime, "update_seconds", lambda *_: 0.03 * 3)
-    monkeypatch.setattr(auto, "AUTO_FLOOR", FLOOR)
-    module, inputs = _sd3()
-    wrapped = leancompile.wrap(module, schedule="auto")
-    optimizer = torch.optim.SGD(wrapped.parameters(), lr=1e-3)
-    caught = []
-    for step in range(2):
-        module.pos_embed.register_forward_hook(lambda m, args, out: None)  # one more each step
-        with torch.no_grad():
-            wrapped(**inputs, return_dict=False)
-        _update(wrapped, **inputs)
+    native = _Scored(copy.deepcopy(module))
+    wrapped = leancompile.wrap(_Scored(module), schedule="auto")
+    optimizers = [torch.optim.SGD(m.parameters(), lr=1e-3) for m in (wrapped, native)]
+    served = []
+    for _ in range(8):
         with warnings.catch_warnings(record=True) as said:
             warnings.simplefilter("always")
-            optimizer.step()
-        caught += [str(w.message) for w in said if "auto:" in str(w.message)]
-        assert (wrapped.stats()["stopped"] is None) == (step == 0)
-    assert len(caught) == 1 and "s compiling again" in caught[0], caught
+            served.append(_cycle(wrapped, native, optimizers, inputs)["served_calls"])
+    assert served == [1, 0, 1, 0, 1, 0, 1, 0], served
+    assert [str(w.message) for w in said if "auto:" in str(w.message)]
+    assert wrapped.stats()["served_by"] == "transformer"
+    assert "runs natively from now on" in module.__dict__[RUNTIME].policy.stopped
 
 
+def test_a_compile_that_recurs_at_every_cycle_is_inside_the_programs_cycles(monkeypatch):
+    """TRL calls transformers' ``enable_input_require_grads`` at every step, which adds one more hook to the
+    embeddings each time: the module's state differs at each step, and each program cycle compiles again. The
+    trial's program cycles hold those compiles (timed for real here: seconds against native's milliseconds)."""
+    monkeypatch.setattr(auto, "AUTO_FLOOR", FLOOR)
+    module, inputs = _sd3()
+    native = copy.deepcopy(module)
+    wrapped = leancompile.wrap(module, schedule="auto")
+    optimizers = [torch.optim.SGD(m.parameters(), lr=1e-3) for m in (wrapped, native)]
+    compiled = []
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        for _ in range(8):
+            module.pos_embed.register_forward_hook(lambda m, args, out: None)  # one more each step
+            compiled.append(_cycle(wrapped, native, optimizers, inputs)["compile_seconds"] > 0)
+    assert compiled == [True, False, True, False, True, False, True, False], compiled
+    assert len([w for w in said if "auto:" in str(w.message) and "below" in str(w.message)]) == 1
 
 
 def test_compile_time_is_counted_apart_from_the_calls_it_compiled_for():
@@ -289,33 +324,6 @@ def test_compile_time_is_counted_apart_from_the_calls_it_compiled_for():
     with torch.no_grad():  # compiled: nothing more to count
         wrapped(**inputs, return_dict=False)
     assert wrapped.stats()["compile_seconds"] == 0.0
-
-
-@pytest.mark.parametrize("rollout_calls, stops", [(1, False), (5, True)])
-def test_auto_prices_every_kept_row_against_the_rows_served(monkeypatch, rollout_calls, stops):
-    """auto prices the step as the loop runs it: each row the rollout kept costs the program's forward instead of
-    native's, and only the rows the update served save native's forward and backward. Per row here the program
-    takes 1 s to keep and 1 s to serve, native 0.5 s forward and 3 s forward and backward: one kept call per served
-    call saves time (6 s against 10.5 s), five cost it (18 s against 16.5 s)."""
-    runtime = sys.modules["leancompile.wrapping.wrap_runtime"]
-    monkeypatch.setattr(runtime, "program_seconds_per_row", lambda records, action: 1.0)
-    monkeypatch.setattr(runtime, "forward_seconds", lambda *_: 0.5 * 3)  # the calls have 3 rows
-    monkeypatch.setattr(runtime, "update_seconds", lambda *_: 3.0 * 3)
-    monkeypatch.setattr(auto, "AUTO_FLOOR", FLOOR)
-    module, inputs = _sd3()
-    wrapped = leancompile.wrap(module, schedule="auto")
-    optimizer = torch.optim.SGD(wrapped.parameters(), lr=1e-3)
-    with torch.no_grad():  # the rollout's steps, at other timesteps but the first
-        for step in range(rollout_calls):
-            wrapped(**{**inputs, "timestep": inputs["timestep"] + step}, return_dict=False)
-    _update(wrapped, **inputs)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        optimizer.step()
-    stopped = wrapped.stats()["stopped"]
-    assert (stopped is not None) == stops, stopped
-    said = [str(w.message) for w in caught if "auto:" in str(w.message)]
-    assert len(said) == stops and all(f"{3 * rollout_calls} kept and 3 served rows" in m for m in said), said
 
 
 def test_an_engine_that_fails_leaves_the_loop_running_natively_and_says_why(monkeypatch):

@@ -35,25 +35,26 @@ def program_seconds_per_row(records, action: str) -> float:
 
 def forward_seconds(module: torch.nn.Module, args: tuple, kwargs: dict) -> float:
     """Native's forward without grad on this call (the rollout's), to the device's end."""
-    start = _now()
+    start = now()
     with torch.no_grad():
         torch.nn.Module.__call__(module, *args, **kwargs)
-    return _now() - start
+    return now() - start
 
 
 def update_seconds(module: torch.nn.Module, trainable: list, args: tuple, kwargs: dict) -> float:
     """Native's forward with grad and its backward on this call (the update's), the gradients returned, not
     accumulated (nothing of the loop's state changes)."""
-    start = _now()
+    start = now()
     with torch.enable_grad():
         output, _, refusal = output_layout(torch.nn.Module.__call__(module, *args, **kwargs))
         if refusal is None and output.requires_grad:
             torch.autograd.grad(output, [p for p in trainable if p.requires_grad], torch.ones_like(output),
                                 allow_unused=True)
-    return _now() - start
+    return now() - start
 
 
-def _now() -> float:
+def now() -> float:
+    """Seconds, once the device has finished what was queued."""
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     return time.perf_counter()

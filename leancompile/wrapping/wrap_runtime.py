@@ -1,11 +1,10 @@
 """The runtime behind a wrapped module (:func:`leancompile.wrap`): the engine and its policy built from the
 wrapper's request, the checks that no framework took the module's parameters over, the descent to a submodule
 where the module's own program cannot keep its calls or where a wrapper (DDP) must run its own forward around
-them, auto's measurement against native, and the look back at each optimizer step (:mod:`.watch`)."""
+them, auto's trial against native (:mod:`.auto_trial`), and the look back at each optimizer step (:mod:`.watch`)."""
 from __future__ import annotations
 
 import functools
-import statistics
 import warnings
 from collections import Counter
 
@@ -17,7 +16,7 @@ from ..backbones.plain import fsdp1_routed, fsdp1_unit, fully_sharded, named_wei
 from ..passes.pipeline import PassHistory
 from ..plan import AUTO, Action, Schedule, StepAction
 from ..request import Request
-from ..runtime.auto import forward_seconds, program_seconds_per_row, slower, update_seconds
+from ..runtime import auto
 from ..runtime.bitwise import BitwiseRetain
 from ..runtime.calls import Call, bound, named_forward
 from ..runtime.engine import CallRecord, ReuseEngine
@@ -26,14 +25,10 @@ from ..runtime.policy import RolloutPolicy
 from ..runtime.regional import RegionalEngine, transformer_blocks
 from ..runtime.rowwise import RowwiseBackbone
 from ..schedules import SCHEDULES
+from .auto_trial import Trial, Verdict
 from .watch import FIXES, REGISTRATIONS, NothingServedError, NothingServedWarning, watch
 from .wrapped import RUNTIME, untraced, wrapped_class
 
-
-# auto: native is timed on this many kept calls and served calls each (beside the program: like with like), and
-# this many steps that served calls are weighed (the second counts a compile that recurs)
-NATIVE_SAMPLES = 3
-WEIGHED_STEPS = 2
 
 # Rollouts in a row whose kept calls served none of the update's, after which nothing more is kept
 BARREN_ROLLOUTS = 2
@@ -56,6 +51,10 @@ class WrapRuntime:
         self.served_ever = False
         self.barren = 0  # rollouts in a row whose kept calls the update served none of (see _stop_keeping)
         self.warned: set[str] = set()
+        # auto: its trial of the program against native over whole cycles of the loop, until its verdict (None where
+        # the floor is 0: auto never falls back); a rollout begins at the first call without grad after a step
+        self.trial = Trial() if request.schedule == AUTO and auto.AUTO_FLOOR > 0 else None
+        self.rollout_due = True
         self.watched = True  # by the optimizer-step watch (a submodule serving after a descent: by its parent's)
         self.refusal = framework_refusal(module, request.schedule, request.per_block)
         self._build(module)
@@ -76,14 +75,6 @@ class WrapRuntime:
         self.engine, self.policy = build_engine(module, self.request)
         for engine in getattr(self.engine, "engines", (self.engine,)):  # a served backward that raises
             engine.failed = functools.partial(self.failed, stacklevel=2)
-        # auto (the whole-call engine only): native's seconds per row, timed right after the program ran the same
-        # call (a kept call's forward without grad; a served call's forward with grad and its backward), on the
-        # first NATIVE_SAMPLES of each; weighed once calls were served, then None
-        auto = self.request.schedule == AUTO and isinstance(self.engine, ReuseEngine)
-        self.native: dict[str, list[float]] | None = {"kept": [], "served": []} if auto else None
-        self.checks = 0.0  # the engine's check seconds in the calls since the last optimizer step
-        self.weighed = 0  # steps weighed so far (of WEIGHED_STEPS)
-        self.compiled = 0.0  # the engine's compile seconds at the last optimizer step
 
     def chain(self):
         """This runtime and those of the submodules serving the calls refused here, top down."""
@@ -106,22 +97,21 @@ class WrapRuntime:
                 if torch.is_grad_enabled():
                     self._note("recomputed", args, self.refusal, "unsupported")
                 return self._natively(module, args, kwargs)
+            if self._tried_natively():  # every wrapped module inside runs natively too (_INSIDE)
+                return torch.nn.Module.__call__(module, *args, **kwargs)
             if self.through is not None:
                 return self._natively(module, args, kwargs)
             args, kwargs = bound(named_forward(module), args, kwargs)
             if self._descends(module, args, kwargs):
                 return self._natively(module, args, kwargs)
             log, engine = self.engine.log, self.engine
-            seen, checks = len(log.records), engine.check_seconds
+            seen = len(log.records)
             try:
                 return engine(*args, **kwargs)
             finally:
                 made = log.records[seen:]
                 self.window.extend(made)
-                self.checks += engine.check_seconds - checks
                 self._warn_failed_compiles(made)
-                if self.native is not None:
-                    self._time_natively(module, made, args, kwargs)
         except Exception as error:  # never break a loop that runs natively: run it so, and say why
             if self.refusal is not None or _INSIDE[0] > 1:
                 raise
@@ -211,7 +201,8 @@ class WrapRuntime:
         self.below, submodule = child, child[1]
         if RUNTIME not in submodule.__dict__:
             attach(submodule, self.request)
-        submodule.__dict__[RUNTIME].watched = False  # this runtime watches its calls with its own
+        below = submodule.__dict__[RUNTIME]
+        below.watched, below.trial = False, None  # this runtime watches its calls, and tries auto's cycles
 
     def stats(self) -> dict:
         stats = self.engine.take_stats()
@@ -221,6 +212,7 @@ class WrapRuntime:
             stats = {k: stats.get(k, 0) + v for k, v in below.items() if isinstance(v, (int, float))}
             stats.update(recompute_reasons=dict(reasons), served_by=self.below[0])
         stats["stopped"] = self.serving.policy.stopped
+        stats["trying"] = self.trial is not None  # auto's trial still runs: the cycles alternate native and program
         refused = [r for r in self.notes if r.action == "recomputed"]  # run natively by the wrapper (FSDP1)
         if refused:
             stats["recomputed_calls"] += len(refused)
@@ -229,48 +221,33 @@ class WrapRuntime:
         self.notes = []
         return stats
 
-    def _time_natively(self, module: torch.nn.Module, made: list[CallRecord], args: tuple, kwargs: dict) -> None:
-        """auto: native's seconds per row for this call where the program just kept or served it and fewer than
-        ``NATIVE_SAMPLES`` such calls were timed: right after the program, so that both run under the same load."""
-        for action, native in (("kept", lambda: forward_seconds(module, args, kwargs)),
-                               ("served", lambda: update_seconds(module, self.trainable, args, kwargs))):
-            rows = sum(r.rows for r in made if r.action == action)
-            if rows and len(self.native[action]) < NATIVE_SAMPLES:
-                self.native[action].append(native() / rows)
+    def _tried_natively(self) -> bool:
+        """auto's trial (:mod:`.auto_trial`): where a rollout begins, the cycle before it ends; whether this call's
+        cycle runs natively, outside every engine. At the verdict, the program keeps serving or, measured slower,
+        nothing more is kept and the loop runs natively from then on, saying why."""
+        if self.trial is None:
+            return False
+        if self.rollout_due and not torch.is_grad_enabled():
+            self.rollout_due = False
+            serving = self.serving
+            if not isinstance(serving.engine, ReuseEngine) or serving.policy.stopped:  # per block, or stopped
+                self.trial = None
+                return False
+            verdict = self.trial.rollout(auto.now(), serving.engine.compiled_seconds)
+            if verdict is not None:
+                self.trial = None
+                self._decide(serving, verdict)
+                return False
+        return self.trial.native
 
-    def _weigh(self, window: list[CallRecord], checks: float, compiled: float) -> None:
-        """auto, at the first ``WEIGHED_STEPS`` optimizer steps after served calls: the program's time for the
-        window's kept and served rows (each kind's median seconds per row, and the engine's checks) against native's
-        for the same rows (its medians, timed beside the program's). The first step's compile is paid once; a later
-        weighed step that compiles again (``compiled`` seconds since the last optimizer step: new shapes, or a state
-        that differs at every step) counts it, as every step will pay it. Where the program is measured slower
-        (:func:`leancompile.runtime.auto.slower`), nothing more is kept: the loop runs natively from then on, and
-        says why; otherwise the verdict, with the steps the first compile takes to repay, is noted in
-        ``last_calls``."""
-        if self.native is None or self.policy.stopped or not all(self.native.values()):
+    def _decide(self, serving: "WrapRuntime", verdict: Verdict) -> None:
+        if verdict.keeps:
+            self.notes.append(CallRecord("weighed", 0, str(verdict), "auto"))
             return
-        again = compiled if self.weighed else 0.0
-        self.weighed += 1
-        rows = {action: sum(r.rows for r in window if r.action == action) for action in self.native}
-        native = sum(rows[action] * statistics.median(times) for action, times in self.native.items())
-        program = sum(rows[action] * program_seconds_per_row(window, action) for action in rows) + checks + again
-        samples = min(map(len, self.native.values()))
-        if self.weighed == WEIGHED_STEPS:
-            self.native = None
-        recompiled = f", {again:.3g} s compiling again" if again else ""
-        verdict = (f"auto: this step's {rows['kept']} kept and {rows['served']} served rows took the per-row program "
-                   f"{program * 1e3:.3g} ms (forwards and keeps, backwards, checks{recompiled}), native "
-                   f"{native * 1e3:.3g} ms (timed beside the program on {samples}+ calls of each): "
-                   f"{native / program:.2f}x")
-        if not slower(program, native):
-            first = self.engine.compiled_seconds
-            repaid = f", repaid after {first / (native - program):.0f} such steps" if native > program else ""
-            self.notes.append(CallRecord("weighed", 0, f"{verdict}; the compile took {first:.1f} s{repaid}", "auto"))
-            return
-        self.policy.stop(f"{verdict}, slower than native: the module runs natively from now on")
-        self.engine.release(self.policy.stopped)
-        self.notes.append(CallRecord("native", 0, self.policy.stopped, "auto"))
-        warnings.warn(f"leancompile.wrap: {self.policy.stopped}", NothingServedWarning, stacklevel=5)
+        serving.policy.stop(str(verdict))
+        serving.engine.release(serving.policy.stopped)
+        self.notes.append(CallRecord("native", 0, serving.policy.stopped, "auto"))
+        warnings.warn(f"leancompile.wrap: {serving.policy.stopped}", NothingServedWarning, stacklevel=6)
 
     def _stop_keeping(self, with_grad: list[CallRecord], rollouts: int) -> None:
         """The calls kept in the last rollouts served none of the update's: keeping them costs the per-row program's
@@ -285,28 +262,25 @@ class WrapRuntime:
             raise NothingServedError(message)
         warnings.warn(message, NothingServedWarning, stacklevel=5)
 
-    def _take(self) -> tuple[list[CallRecord], float, float]:
-        """The calls since the last optimizer step, here and in the submodules serving for this module, with their
-        engines' check and compile seconds in them; the next step's count starts from zero."""
-        window, self.window, checks, self.checks = self.window, [], self.checks, 0.0
-        compiled, self.compiled = self.engine.compiled_seconds - self.compiled, self.engine.compiled_seconds
-        if self.below is not None:
-            more = self.below[1].__dict__[RUNTIME]._take()
-            window, checks, compiled = window + more[0], checks + more[1], compiled + more[2]
-        return window, checks, compiled
+    def _take(self) -> list[CallRecord]:
+        """The calls since the last optimizer step, here and in the submodules serving for this module; the next
+        step's start empty."""
+        window, self.window = self.window, []
+        return window + self.below[1].__dict__[RUNTIME]._take() if self.below is not None else window
 
     def stepped(self) -> None:
         """An optimizer step over the module's weights: warn once per cause where the calls with grad since the
         previous step were all recomputed (or none was seen while the weights have gradients)."""
-        window, checks, compiled = self._take()
-        serving = self.serving  # a submodule's, once calls were refused here: it keeps, so auto weighs it
+        window, serving = self._take(), self.serving  # a submodule's, once calls were refused here
+        self.rollout_due = True
+        if self.trial is not None and self.trial.native:  # auto's trial ran this cycle natively, on purpose
+            return
         with_grad = [r for r in window if r.action in ("served", "recomputed")]
         served = sum(r.action == "served" for r in with_grad)
         self.served_ever |= served > 0
         # a window without kept calls (the second optimizer step on one rollout) leaves the count as it is
         self.barren = 0 if served else self.barren + any(r.action == "kept" for r in window)
         if served:
-            serving._weigh(window, checks, compiled)
             return
         if serving.policy.stopped:  # auto chose native, or the rollouts' calls served nothing, and it said so
             return
@@ -417,5 +391,5 @@ def build_engine(module: torch.nn.Module, request: Request) -> tuple:
     else:
         per_row = {1.0: RowwiseBackbone(module, tune_matmuls=tune_matmuls)}
         engine = ReuseEngine(module, schedule_runtime, per_row, policy, shared=frozenset(shared), native=native,
-                             timed=auto, verify=request.verify)
+                             verify=request.verify)
     return engine, policy
