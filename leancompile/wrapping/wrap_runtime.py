@@ -52,7 +52,8 @@ class WrapRuntime:
         self.barren = 0  # rollouts in a row whose kept calls the update served none of (see _stop_keeping)
         self.warned: set[str] = set()
         # auto: its trial of the program against native over whole cycles of the loop, until its verdict (None where
-        # the floor is 0: auto never falls back); a rollout begins at the first call without grad after a step
+        # the floor is 0: auto never falls back); a rollout begins at a call without grad right after a step (a
+        # reference computed without grad inside the update comes after a call with grad)
         self.trial = Trial() if request.schedule == AUTO and auto.AUTO_FLOOR > 0 else None
         self.rollout_due = True
         self.watched = True  # by the optimizer-step watch (a submodule serving after a descent: by its parent's)
@@ -227,7 +228,9 @@ class WrapRuntime:
         nothing more is kept and the loop runs natively from then on, saying why."""
         if self.trial is None:
             return False
-        if self.rollout_due and not torch.is_grad_enabled():
+        if self.rollout_due and torch.is_grad_enabled():  # the update goes on after a step: no rollout began
+            self.rollout_due = False
+        elif self.rollout_due:
             self.rollout_due = False
             serving = self.serving
             if not isinstance(serving.engine, ReuseEngine) or serving.policy.stopped:  # per block, or stopped
