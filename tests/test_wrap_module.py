@@ -260,6 +260,29 @@ def test_auto_keeps_the_program_where_it_is_faster_and_says_when_its_compile_is_
     assert stats["stopped"] is None and not stats["trying"]
 
 
+def test_auto_counts_a_cycle_from_rollout_to_rollout_through_several_steps_and_references(monkeypatch):
+    """FlowGRPO's update takes two optimizer steps per rollout and computes a KL reference without grad after each
+    micro-step's call with grad: the rollouts alone begin cycles (a call without grad right after a step)."""
+    monkeypatch.setattr(auto, "AUTO_FLOOR", FLOOR)
+    monkeypatch.setattr(auto, "now", _clock(1.0, 2.0))
+    module, inputs = _sd3()
+    wrapped = leancompile.wrap(module, schedule="auto")
+    optimizer = torch.optim.SGD(wrapped.parameters(), lr=1e-3)
+    served = []
+    for _ in range(8):
+        with torch.no_grad():
+            wrapped(**inputs, return_dict=False)
+        for _ in range(2):
+            _update(wrapped, **inputs)
+            with torch.no_grad():  # the reference
+                wrapped(**{**inputs, "timestep": inputs["timestep"] + 1}, return_dict=False)
+            optimizer.step()
+        stats = wrapped.stats()
+        served.append(stats["served_calls"])
+    assert served == [1, 0, 1, 0, 1, 0, 1, 0], served
+    assert "0.50x" in stats["stopped"]
+
+
 class _Scored(torch.nn.Module):
     """A head that reduces its transformer's output over the rows (as TRL's fused loss does): its own calls cannot
     be kept by row, and its transformer serves them."""
