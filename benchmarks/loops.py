@@ -88,16 +88,14 @@ def measure_loop(name: str, repetitions: int, device: str = "cpu") -> dict:
     config = _on(device, name, config)
     programs = {"native": _Program(loop_class(config, use_leancompile=False)),
                 "wrapped": _Program(loop_class(config, use_leancompile=True))}
-    flops, first = {}, {}
-    for key, program in programs.items():
-        first[key] = stats = program.step(None)  # compiles, traces
-        program.step(None)
-        # auto's trial alternates native and program cycles until its verdict (wrapping.auto_trial): timed as the
-        # loop runs then, and not under the FLOP counter's dispatch mode, which slows the program's many small
-        # operators more than native's
-        while stats.get("trying"):
-            stats = program.step(None)
-        flops[key] = counted_step(program, None)[1]
+    first = {key: program.step(None) for key, program in programs.items()}  # compiles, traces
+    stats = {key: program.step(None) for key, program in programs.items()}
+    # auto's trial alternates native and program cycles until its verdict (wrapping.auto_trial): timed as the loop
+    # runs then, and not under the FLOP counter's dispatch mode, which slows the program's many small operators
+    # more than native's; both loops take as many steps, so that their weights compare
+    while any(s.get("trying") for s in stats.values()):
+        stats = {key: program.step(None) for key, program in programs.items()}
+    flops = {key: counted_step(program, None)[1] for key, program in programs.items()}
     times, stats = interleaved_times(programs, None, repetitions)
     backbone, trainer = name.split("/")[:2]
     wrapped = stats["wrapped"]

@@ -420,6 +420,7 @@ def test_rollouts_whose_update_serves_nothing_stop_being_kept_and_say_why():
     assert any("served none of the calls kept in the last 2 rollouts" in str(w.message) for w in caught)
     stats = wrapped.stats()
     assert "inputs" in stats["stopped"] and stats["served_calls"] == 0
+    assert stats["recompute_reasons"]["stopped"] == 1  # the third update's call, run natively outside the engine
     assert [r.action for r in wrapped.last_calls] == []  # the third rollout's call was not kept
     for p, q in zip(wrapped.parameters(), native.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-12, atol=0)

@@ -100,6 +100,10 @@ class WrapRuntime:
                 return self._natively(module, args, kwargs)
             if self._tried_natively():  # every wrapped module inside runs natively too (_INSIDE)
                 return torch.nn.Module.__call__(module, *args, **kwargs)
+            if self._stopped():
+                if torch.is_grad_enabled():
+                    self._note("recomputed", args, self.serving.policy.stopped, "stopped")
+                return torch.nn.Module.__call__(module, *args, **kwargs)
             if self.through is not None:
                 return self._natively(module, args, kwargs)
             args, kwargs = bound(named_forward(module), args, kwargs)
@@ -242,6 +246,14 @@ class WrapRuntime:
                 self._decide(serving, verdict)
                 return False
         return self.trial.native
+
+    def _stopped(self) -> bool:
+        """Whether nothing is kept any more (auto's verdict, or rollouts that served nothing) and the call may run
+        natively outside the engine, whose lookups and checks would cost every call for nothing (not while a
+        provisional head runs: its calls are the engine's)."""
+        serving = self.serving
+        return (serving.policy.stopped is not None and isinstance(serving.engine, ReuseEngine)
+                and not serving.engine.answering_with_leaves_now)
 
     def _decide(self, serving: "WrapRuntime", verdict: Verdict) -> None:
         if verdict.keeps:
