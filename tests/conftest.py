@@ -39,15 +39,18 @@ if os.environ.get("CI"):
     settings.load_profile("ci")
 
 
-@pytest.fixture(autouse=True)
-def planned_without_timings(monkeypatch):
+@pytest.fixture(autouse=True, scope="session")
+def planned_without_timings():
     """auto as the tests see it does not depend on this machine's timings: the planner prices the per-row program
     as eager (no calibration, as for a named device), and the run-time check never falls back to native
-    (tests/test_auto.py gives both their inputs)."""
+    (tests/test_auto.py gives both their inputs). For the whole run, so that module-scoped fixtures (the
+    benchmark's rows) see it too."""
     from leancompile.runtime import auto, calibration
 
-    monkeypatch.setattr(calibration, "overheads", lambda device_type: None)
-    monkeypatch.setattr(auto, "AUTO_FLOOR", 0.0)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(calibration, "overheads", lambda device_type: None)
+        patch.setattr(auto, "AUTO_FLOOR", 0.0)
+        yield
 
 
 # The library's synthetic task, under the names the tests use.
