@@ -174,8 +174,8 @@ def _env() -> int:
     print(f"  schedules: {', '.join(OPTIMIZE_SCHEDULES)}; bitwise=True for native's bits (Retain)")
     print("  data parallel: DDP, FSDP2 (fully_shard) and FSDP1 (FullyShardedDataParallel served per block, "
           "wrapped before or after it, FULL_SHARD or SHARD_GRAD_OP, MixedPrecision or not) tested on 2 gloo ranks; "
-          "FSDP1's other strategies and CPU offload, and DeepSpeed ZeRO-3, run natively with the reason; DeepSpeed "
-          "ZeRO-2 served")
+          "DeepSpeed ZeRO-3 served per block where the blocks are ZeRO-3 leaf modules; FSDP1's other strategies and "
+          "CPU offload, and ZeRO-3 without leaf blocks, run natively with the reason; DeepSpeed ZeRO-2 served")
     print("  TRL GRPOTrainer: wrap(model) before the trainer (docs/trl.md); accelerate: served (docs/wrapping.md)")
     print("  CUDA: tests/test_cuda.py ran on one H200 (docs/results.md); no GPU timings measured")
     return 0

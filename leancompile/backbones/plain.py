@@ -23,6 +23,32 @@ def fsdp1_unit(module: torch.nn.Module) -> bool:
     return fsdp is not None and isinstance(module, fsdp.FullyShardedDataParallel)
 
 
+def zero3_partitioned(t: torch.Tensor) -> bool:
+    """Whether DeepSpeed ZeRO-3 partitioned parameter ``t`` (without importing deepspeed): its data is empty outside
+    the calls of the module that owns it, and its values live in its partition (``ds_tensor``)."""
+    return hasattr(t, "ds_id")
+
+
+def zero3_leaf(module: torch.nn.Module) -> bool:
+    """Whether ``module`` is a ZeRO-3 leaf module (DeepSpeed's ``set_z3_leaf_modules``): its own forward hooks gather
+    every parameter of its tree at once, and its submodules have none."""
+    return bool(getattr(module, "_z3_leaf", False))
+
+
+def whole_shape(p: torch.Tensor) -> torch.Size:
+    """The shape of parameter ``p`` whole: a ZeRO-3 parameter's is ``ds_shape`` (its data is empty between calls)."""
+    return p.ds_shape if zero3_partitioned(p) else p.shape
+
+
+def framework_hook(hook) -> bool:
+    """Whether ``hook`` is a sharding framework's own: a method of FSDP2's state, or one of DeepSpeed ZeRO-3's
+    functions (they gather and free the weights around a call, and count its backward)."""
+    owner = getattr(hook, "__self__", None)
+    if owner is not None:
+        return type(owner).__module__.startswith("torch.distributed.fsdp")
+    return (getattr(hook, "__module__", None) or "").startswith("deepspeed.")
+
+
 def fsdp1_unit_of(block: torch.nn.Module) -> torch.nn.Module | None:
     """The FSDP1 unit that is a stack's ``block``, or that a checkpoint wrapper ``block`` holds (activation
     checkpointing applied before FSDP1 wrapped the blocks); None: the block is no unit."""
@@ -137,13 +163,13 @@ def named_weights(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
 
 
 def plain_copy(module: torch.nn.Module) -> torch.nn.Module:
-    """A copy of ``module``'s tree as its own classes, sharing its current parameters and buffers, without FSDP2's
-    forward hooks (which would re-register the weights on the module and defeat a functional call) and without a
+    """A copy of ``module``'s tree as its own classes, sharing its current parameters and buffers, without the
+    sharding frameworks' hooks (FSDP2's would re-register the weights on the module and defeat a functional call;
+    ZeRO-3's would gather, and its leaf module's backward hook reduce-scatter, inside a trace) and without a
     ``forward`` set on the instance (a block routed to a reuse engine): a functional call of it runs the class's
     forward."""
     from torch.distributed._composable.contract import REGISTRY_KEY, STATE_KEY
     from torch.distributed.fsdp import FSDPModule
-    from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
 
     cls = type(module)
     # fully_shard made the class FSDP<cls>(FSDPModule, cls), leancompile.wrap Wrapped<cls>(Wrapped, cls): the
@@ -158,9 +184,9 @@ def plain_copy(module: torch.nn.Module) -> torch.nn.Module:
     plain._parameters = dict(module._parameters)
     plain._buffers = dict(module._buffers)
     plain._modules = {name: None if child is None else plain_copy(child) for name, child in module._modules.items()}
-    for name in ("_forward_pre_hooks", "_forward_hooks"):
+    for name in ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks"):
         hooks = getattr(module, name)
-        kept = type(hooks)((k, h) for k, h in hooks.items() if not isinstance(getattr(h, "__self__", None), FSDPState))
+        kept = type(hooks)((k, h) for k, h in hooks.items() if not framework_hook(h))
         setattr(plain, name, kept)
     return plain
 
@@ -188,7 +214,7 @@ def with_fake_weights(module: torch.nn.Module, device: torch.device) -> torch.nn
                                     plain.modules(remove_duplicate=False)):
         for name, p in child._parameters.items():
             if p is not None:
-                shape = shapes.get((id(original), name))
+                shape = shapes.get((id(original), name), p.ds_shape if zero3_partitioned(p) else None)
                 fake = fake_like(p, mode, device) if shape is None else fake_like(
                     torch.empty(shape, dtype=p.dtype, device="meta"), mode, device)
                 child._parameters[name] = torch.nn.Parameter(fake, p.requires_grad)

@@ -39,13 +39,14 @@ class Sharding:
 
 _FSDP1_REWEIGHT = Refusal(Schedule.REWEIGHT, "under FSDP1 Reweight's loss heads would run FSDP1's gathers for blocks "
                                               "they answer from kept outputs, which is not served yet")
-_ZERO3 = ("ZeRO-3 gathers each submodule's own parameters in that submodule's forward hooks, which a block served "
-          "from kept tensors would skip: leancompile runs the module natively")
+_ZERO3_REWEIGHT = Refusal(Schedule.REWEIGHT, "under ZeRO-3 Reweight's loss heads would run ZeRO-3's gathers for "
+                                             "blocks they answer from kept outputs, which is not served yet")
 
 # FSDP2 (fully_shard, reshard_after_forward=True) prefetches the next block's all-gather while one runs; FSDP1's
 # FULL_SHARD gathers each unit's flat parameter in its forward and again in its backward (backward prefetch of the
 # next unit); SHARD_GRAD_OP keeps the flat parameters gathered from the forward through the backward; ZeRO-3 gathers
-# each submodule's own parameters in its forward hooks and again before its backward, prefetching the next ones.
+# each leaf module's parameters (a block's whole tree, where the blocks are ZeRO-3 leaf modules, as leancompile
+# serves it) in its forward hooks and again before its backward, prefetching the next ones.
 SHARDINGS = {s.name: s for s in (
     Sharding("ddp", "DDP", sharded=False),
     Sharding("fsdp", "FSDP2", sharded=True, gathers_per_update=2, in_flight=2, whole_call=True),
@@ -54,8 +55,7 @@ SHARDINGS = {s.name: s for s in (
     Sharding("fsdp1-grad-op", "FSDP1 SHARD_GRAD_OP", sharded=True, gathers_per_update=1, held_through_backward=True,
              refusals=(_FSDP1_REWEIGHT,)),
     Sharding("zero3", "DeepSpeed ZeRO-3", sharded=True, gathers_per_update=2, in_flight=2,
-             refusals=tuple(Refusal(schedule, _ZERO3) for schedule in (Schedule.RETAIN, Schedule.REWEIGHT,
-                                                                       Schedule.OFFLOAD))),
+             refusals=(_ZERO3_REWEIGHT,)),
 )}
 
 

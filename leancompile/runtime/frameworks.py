@@ -7,11 +7,15 @@ import sys
 
 import torch
 
+from ..backbones.plain import zero3_leaf, zero3_partitioned
+from ..plan import VALUES
 
-def framework_refusal(module: torch.nn.Module, schedule: str | None = None,
-                      per_block: bool | None = None) -> str | None:
+
+def framework_refusal(module: torch.nn.Module, schedule: str | None = None, per_block: bool | None = None,
+                      verify: str = VALUES) -> str | None:
     """Why a framework that manages the module's parameters itself keeps it from being served (None: none does).
-    ``schedule`` and ``per_block``: the wrapper's request (FSDP1 is served per block, under Retain)."""
+    ``schedule``, ``per_block`` and ``verify``: the wrapper's request (FSDP1 and ZeRO-3 are served per block, under
+    Retain)."""
     fsdp = sys.modules.get("torch.distributed.fsdp")  # not imported: nothing is sharded by it
     if fsdp is not None and (any(isinstance(m, fsdp.FullyShardedDataParallel) for m in module.modules()) or any(
             isinstance(p, fsdp.FlatParameter) for p in module.parameters())):
@@ -23,10 +27,45 @@ def framework_refusal(module: torch.nn.Module, schedule: str | None = None,
         return ("a DistributedDataParallel inside the module arms its reducer in its own forward, which the "
                 "engine's program would bypass; it runs natively. Wrap the DistributedDataParallel itself, or the "
                 "module it holds")
-    if any(hasattr(p, "ds_id") for p in module.parameters()):
-        return ("DeepSpeed ZeRO-3 partitions the module's parameters and gathers each submodule's own in that "
-                "submodule's forward hooks, which a block served from kept tensors would skip; it runs natively. "
-                "ZeRO-1 and ZeRO-2 (sharded gradients and optimizer states) are served")
+    if any(map(zero3_partitioned, module.parameters())):
+        refusal = zero3_refusal(module, schedule, per_block, verify)
+        if refusal is not None:
+            return f"{refusal}; it runs natively"
+    return None
+
+
+def zero3_refusal(module: torch.nn.Module, schedule: str | None = None, per_block: bool | None = None,
+                  verify: str = VALUES) -> str | None:
+    """Why DeepSpeed ZeRO-3 keeps ``module`` from being served per block (None: it is served). ZeRO-3 gathers each
+    submodule's own parameters in that submodule's forward hooks and again before its backward: a block served from
+    kept tensors runs none of its submodules, so each block must gather its whole tree in its own hooks, as a ZeRO-3
+    leaf module does (``deepspeed.utils.set_z3_leaf_modules`` before ``deepspeed.initialize``, or the
+    configuration's ``leaf_module``). Then each block's ``forward`` is routed to the block's engine while
+    DeepSpeed's hooks on the block run around it, as FSDP2's do: the pre-forward gathers the block's parameters and
+    registers the post-backward release on its inputs, the post-forward frees them and registers the pre-backward
+    gather on its outputs; the served backward's parameter gradients reach DeepSpeed's reduce-scatter hooks through
+    autograd, as native's do. The weights' values are read from each parameter's partition (``ds_tensor``), which
+    the optimizer writes through ``.data``, moving no version counter: only the digest sees the step."""
+    from .regional import transformer_blocks
+
+    head = "DeepSpeed ZeRO-3"
+    blocks = transformer_blocks(module)
+    if schedule == "reweight":
+        return (f"{head} with schedule='reweight': Reweight's loss heads would run ZeRO-3's gathers for blocks they "
+                "answer from kept outputs, which is not served yet; use schedule='retain'")
+    if per_block is False:
+        return f"{head} is served per block only; per_block=False keeps the whole call, whose trace ZeRO-3's " \
+            "gathers would leave"
+    if verify != VALUES:
+        return (f"{head} with verify={verify!r}: ZeRO-3's optimizer writes the partitions without moving a version "
+                f"counter, which only the digest of their values sees; use verify={VALUES!r}")
+    unleaved = [b for b in blocks if not zero3_leaf(b)]
+    if unleaved or not blocks:
+        name = type(unleaved[0]).__name__ if unleaved else "no block"
+        return (f"{head} gathers each submodule's own parameters in that submodule's forward hooks, which a block "
+                f"served from kept tensors would skip; it is served per block where each transformer block is a "
+                f"ZeRO-3 leaf module, and {name} is not: call deepspeed.utils.set_z3_leaf_modules(model, "
+                f"[{name}, ...]) before deepspeed.initialize")
     return None
 
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch.utils.hooks import RemovableHandle
 
-from ..backbones.plain import fsdp1_shard, fsdp1_unit, named_weights
+from ..backbones.plain import framework_hook, fsdp1_shard, fsdp1_unit, named_weights, zero3_partitioned
 from ..plan import VALUES
 from .calls import Call, argument_paths
 from .digest import Unreadable, digest
@@ -41,8 +41,10 @@ _PLAIN = (bool, int, float, str, type(None))
 # dictionaries), moved by what is compared elsewhere (a backward hook's registration); and the gradient
 # checkpointing flag of transformers and diffusers models, which changes how a backward gets the forward's saved
 # tensors (recomputed from the same inputs and weights), not what a call computes: TRL's and the diffusion scripts'
-# rollouts run with it off and their updates with it on
-_NOT_ATTRIBUTES = frozenset({*torch.nn.Module().__dict__, "gradient_checkpointing"})
+# rollouts run with it off and their updates with it on; DeepSpeed ZeRO-3's counters of a module's pending
+# backward hooks (its ``ds_*`` ids and registries are not plain values)
+_NOT_ATTRIBUTES = frozenset({*torch.nn.Module().__dict__, "gradient_checkpointing", "ds_grads_remaining",
+                             "applied_pre_backward_ref_cnt"})
 # The hook dictionaries of a module, and torch's global ones (every module's), with what each is called in a reason
 _HOOKS = (("_forward_hooks", "forward hook"), ("_forward_pre_hooks", "forward pre-hook"),
           ("_backward_hooks", "backward hook"), ("_backward_pre_hooks", "backward pre-hook"))
@@ -142,6 +144,7 @@ class StateReader:
         # What the weights are copies of (FSDP2 shards) is versioned and digested too.
         self.versioned = [*self.tensors, *sources]
         skip = {id(t) for t in others}
+        self.partitioned = any(map(zero3_partitioned, self.versioned))  # by ZeRO-3 (see writes)
         # An FSDP1 flat parameter's version moves at each optimizer step, its values are read from its shard
         self.digested = [(name, fsdp1_shard(t)) for name, t in zip(self.tensor_names, self.versioned)
                          if id(t) not in skip and verify == VALUES]
@@ -193,13 +196,25 @@ class StateReader:
         if count != self._hook_count:
             self._hook_count = count
             self._hooked = [entry for entry in self._hook_dicts if entry[2]]
-        held = ((i, what, tuple(k for k, hook in hooks.items() if not _sharding_hook(hook)))
+        held = ((i, what, tuple(k for k, hook in hooks.items() if not framework_hook(hook)))
                 for i, what, hooks in self._hooked)
         return tuple(entry for entry in held if entry[2])
 
     def versions(self) -> tuple[int, ...]:
         """The version counters of every parameter and buffer (and what they are copies of)."""
         return tuple(map(_VERSION, self.versioned))
+
+    def writes(self) -> tuple:
+        """What shows that the weights were written between two reads: their version counters and, where a
+        framework writes them without moving one (DeepSpeed ZeRO-3's optimizer writes the partitions through
+        ``.data``), the digest of every weight's values (None where a storage holds none)."""
+        if not self.partitioned:
+            return self.versions()
+        try:
+            values = tuple(digest([fsdp1_shard(t) for t in self.versioned]).tolist())
+        except Unreadable:
+            values = None
+        return self.versions(), values
 
     def digest(self) -> torch.Tensor | None:
         """The exact digest of every weight's values (one int64 per tensor); None where a tensor's storage holds no
@@ -220,7 +235,8 @@ class StateReader:
         changed = (kept != now).nonzero().flatten().tolist()
         return (f"{len(changed)} of {len(self.digested)} parameters and buffers hold other values than when the call "
                 f"was kept, {self.digested[changed[0]][0]} first, and no version counter moved: they were written "
-                "through .data, set_ or another alias (a reference or EMA swap)")
+                "through .data, set_ or another alias (a reference or EMA swap; DeepSpeed ZeRO-3's optimizer step "
+                "writes its partitions so)")
 
 
 def _attribute(value) -> type | None:
@@ -264,13 +280,6 @@ def _explain_modules(kept: tuple, now: tuple, reader: "StateReader") -> str:
         return f"{reader.tensor_names[i]} is {dtypes_now[i]}, in the kept call {dtypes[i]}"
     name = _first(reader.parameter_names, grads, grads_now)
     return f"parameter {name} requires grad unlike in the kept call"
-
-
-def _sharding_hook(hook) -> bool:
-    """Whether ``hook`` is FSDP's own (a method of its state): it gathers and frees the weights around a call and
-    is set aside while the per-block engine answers blocks with kept outputs (runtime.regional), which changes
-    nothing a call computes."""
-    return type(getattr(hook, "__self__", None)).__module__.startswith("torch.distributed.fsdp")
 
 
 def _reads_its_flag(module: torch.nn.Module) -> bool:

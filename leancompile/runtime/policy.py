@@ -94,7 +94,7 @@ class RolloutPolicy(KeepPolicy):
     overflow: StepAction | None = None
     share: float = 0.5  # of the free memory, when no limit is given: the update's own activations need the rest
     agreed: bool = False  # the limit read from free memory is the least of every rank's (Reweight under FSDP2)
-    closed_at: tuple | None = None  # the weights' versions when a call with grad closed the rollout
+    closed_at: tuple | None = None  # the weights' writes seen when a call with grad closed the rollout
     calls: int = 0  # calls of this rollout asked about so far
     host_limit: int | None = None  # bytes the overflow may hold in host memory
     stopped: str | None = None  # why nothing is kept any more (auto: the program measured slower than native)
@@ -103,7 +103,7 @@ class RolloutPolicy(KeepPolicy):
         if engine.answering_with_leaves_now or self.stopped:  # a provisional head's call: its values are kept
             return None
         if self.closed_at is not None:
-            if engine.reader.versions() == self.closed_at:
+            if engine.reader.writes() == self.closed_at:
                 return None
             self.closed_at, self.calls = None, 0  # the weights changed since: a new rollout
         number, self.calls = self.calls, self.calls + 1
@@ -129,4 +129,4 @@ class RolloutPolicy(KeepPolicy):
 
     def closed(self, engine) -> None:
         """A call with grad: the rollout is over until the weights change."""
-        self.closed_at = engine.reader.versions()
+        self.closed_at = engine.reader.writes()

@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 from torch.utils import _pytree as pytree
 
-from ..backbones.plain import fsdp1_unit, fully_sharded, plain_copy
+from ..backbones.plain import fsdp1_unit, fully_sharded, plain_copy, whole_shape, zero3_partitioned
 from ..passes.pipeline import PassHistory
 from ..plan import VALUES, StepAction
 from .calls import Call, bound, named_forward, output_layout
@@ -107,8 +107,9 @@ class RegionalEngine:
                                    native=self._natively, log=self.log, verify=verify)
         self._idle: frozenset[int] = frozenset()  # blocks the heads run without grad (see provisional)
         self._answered: list[torch.nn.Module] = []  # blocks the heads answer with kept outputs (see provisional)
-        # by FSDP2, or FSDP1 (whose units wrap the blocks)
-        self._sharded = any(map(fully_sharded, self.blocks)) or any(map(fsdp1_unit, backbone.modules()))
+        # by FSDP2, FSDP1 (whose units wrap the blocks) or ZeRO-3
+        self._sharded = (any(map(fully_sharded, self.blocks)) or any(map(fsdp1_unit, backbone.modules()))
+                         or any(map(zero3_partitioned, backbone.parameters())))
         self.schedule_runtime = self.engines[0].schedule_runtime
         if not self.schedule_runtime.input_gradients:
             raise ValueError(f"{self.schedule_runtime.name} cannot serve a block: its served calls do not return their "
@@ -437,7 +438,7 @@ def structure(module: torch.nn.Module) -> tuple:
             elif not isinstance(value, (torch.Tensor, torch.nn.Module)):
                 settings.append((key, type(value)))
         parts.append((name, type(module_), tuple(settings)))
-    parts += [(n, tuple(p.shape), p.dtype, p.requires_grad) for n, p in module.named_parameters()]
+    parts += [(n, tuple(whole_shape(p)), p.dtype, p.requires_grad) for n, p in module.named_parameters()]
     parts += [(n, tuple(b.shape), b.dtype) for n, b in module.named_buffers()]
     return tuple(parts)
 

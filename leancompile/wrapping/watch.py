@@ -76,7 +76,11 @@ _WATCHED: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
 
 def _optimizer_step(optimizer, *_):
     stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    # DeepSpeed ZeRO-3's optimizer steps its flat partitions (tensors it gives a ds_id), which no parameter names:
+    # a step over one is taken as a step over every module ZeRO-3 partitioned
+    partitions = any(hasattr(p, "ds_id") for group in optimizer.param_groups for p in group["params"])
     for module in list(_WATCHED):
         runtime = module.__dict__.get(RUNTIME)
-        if runtime is not None and runtime.watched and any(id(p) in stepped for p in runtime.trainable):
+        if runtime is not None and runtime.watched and (
+                any(id(p) in stepped for p in runtime.trainable) or (partitions and runtime.partitioned)):
             runtime.stepped()

@@ -78,8 +78,9 @@ def wrap(module: torch.nn.Module, schedule: str = "retain", memory_limit: int | 
 
     Returns:
         The module itself, its class put behind :class:`Wrapped` (``isinstance`` holds, its ``state_dict`` keys
-        are its own); wrap it before or after DDP, FSDP2, accelerate's ``prepare`` or peft. A framework that
-        manages the parameters itself (FSDP1, DeepSpeed ZeRO-3) runs it natively, and ``stats()`` says so.
+        are its own); wrap it before or after DDP, FSDP2, FSDP1, DeepSpeed, accelerate's ``prepare`` or peft.
+        FSDP1 and ZeRO-3, which manage the parameters themselves, are served per block where each block is their
+        unit (an FSDP1 unit, a ZeRO-3 leaf module); otherwise the module runs natively, and ``stats()`` says why.
     """
     if not isinstance(module, torch.nn.Module):
         raise ValueError(f"module must be a torch.nn.Module; got {type(module).__name__}")

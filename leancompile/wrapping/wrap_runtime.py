@@ -12,7 +12,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from ..backbones.families import family_of
-from ..backbones.plain import fsdp1_routed, fsdp1_unit, fully_sharded, named_weights
+from ..backbones.plain import fsdp1_routed, fsdp1_unit, fully_sharded, named_weights, zero3_partitioned
 from ..passes.pipeline import PassHistory
 from ..plan import AUTO, Action, Schedule, StepAction
 from ..request import Request
@@ -57,7 +57,7 @@ class WrapRuntime:
         self.trial = Trial() if request.schedule == AUTO and auto.AUTO_FLOOR > 0 else None
         self.rollout_due = True
         self.watched = True  # by the optimizer-step watch (a submodule serving after a descent: by its parent's)
-        self.refusal = framework_refusal(module, request.schedule, request.per_block)
+        self.refusal = framework_refusal(module, request.schedule, request.per_block, request.verify)
         self._build(module)
         # DDP: its own forward runs around every call and the module it holds serves them (passed_through)
         self.through = passed_through(module)
@@ -68,6 +68,7 @@ class WrapRuntime:
         """The module's parameters as they are now: which the engine reads, which the optimizer-step watch follows,
         and whether a submodule could serve calls this module's program cannot keep."""
         self.registrations, self.structure = REGISTRATIONS[0], structure(module)
+        self.partitioned = _partitioned(module)
         self.trainable = [p for _, p in named_weights(module) if p.requires_grad]
         self.descendable = _largest_trainable_child(module) is not None
 
@@ -158,13 +159,15 @@ class WrapRuntime:
         """Where a module anywhere registered tensors or submodules since the last call: whether this module is
         still the one the engine was built on, its tensors under the same names (else it is built anew, and a
         framework that flattens them is refused). A block put under a checkpoint wrapper keeps its parameters but
-        not their names, which the per-row program reads them by."""
-        if self.registrations == REGISTRATIONS[0]:
+        not their names, which the per-row program reads them by. DeepSpeed ZeRO-3 partitions the parameters in
+        place, registering nothing: the first parameter shows it."""
+        if self.registrations == REGISTRATIONS[0] and self.partitioned == _partitioned(module):
             return
-        self.registrations = REGISTRATIONS[0]
+        self.registrations, self.partitioned = REGISTRATIONS[0], _partitioned(module)
         now = structure(module)
         if now != self.structure:
-            self.refusal = framework_refusal(module, self.request.schedule, self.request.per_block)
+            self.refusal = framework_refusal(module, self.request.schedule, self.request.per_block,
+                                             self.request.verify)
             if self.refusal is None:
                 # A parameter, buffer or submodule replaced: the engine reads the module's new ones, and the calls
                 # kept with the old ones are freed, the change their reason.
@@ -310,7 +313,9 @@ class WrapRuntime:
             fix = "call the wrapped module itself (module(...))"
         else:
             kind, reason, fix = _commonest(with_grad)
-            if kind == "weights" and self.served_ever:  # the second optimizer step on one rollout, as expected
+            # the second optimizer step on one rollout, as expected (ZeRO-3's steps move no version counter: the
+            # digest sees them)
+            if self.served_ever and (kind == "weights" or (kind == "written" and self.partitioned)):
                 return
         if kind in self.warned:
             return
@@ -333,11 +338,11 @@ def _rows(args: tuple) -> int:
     return tensors[0].shape[0] if tensors else 0
 
 
-def structure(module: torch.nn.Module) -> dict[str, dict[str, int]]:
+def structure(module: torch.nn.Module) -> dict[str, dict[str, object]]:
     """What the engine was built on: per kind, every submodule, parameter (FSDP2's sharded one, whatever FSDP2 has
-    registered now) and buffer by name, and its identity."""
+    registered now) and buffer by name, and its identity (a parameter's with whether ZeRO-3 partitioned it)."""
     return {"submodule": {name: id(m) for name, m in module.named_modules(remove_duplicate=False)},
-            "parameter": {name: id(p) for name, p in named_weights(module)},
+            "parameter": {name: (id(p), zero3_partitioned(p)) for name, p in named_weights(module)},
             "buffer": {name: id(b) for name, b in module.named_buffers(remove_duplicate=False)}}
 
 
@@ -346,10 +351,16 @@ def _replaced(before: dict, after: dict) -> str:
     for kind in before:
         for name in (*before[kind], *after[kind]):
             if before[kind].get(name) != after[kind].get(name):
-                change = ("replaced" if name in before[kind] and name in after[kind] else
-                          "added" if name in after[kind] else "removed")
+                change = ("added" if name not in before[kind] else "removed" if name not in after[kind] else
+                          "partitioned by DeepSpeed ZeRO-3" if kind == "parameter" and before[kind][name][0] ==
+                          after[kind][name][0] else "replaced")
                 return f"{kind} {name or '(the module)'} was {change}"
     return "the module's tensors changed"
+
+
+def _partitioned(module: torch.nn.Module) -> bool:
+    """Whether DeepSpeed ZeRO-3 has partitioned ``module``'s parameters (it partitions all of them at once)."""
+    return zero3_partitioned(next(module.parameters(), None))
 
 
 def _largest_trainable_child(module: torch.nn.Module) -> tuple[str, torch.nn.Module] | None:
@@ -379,7 +390,8 @@ def build_engine(module: torch.nn.Module, request: Request) -> tuple:
     auto = schedule == AUTO
     if auto:  # Retain's runtime: a call kept past the memory limit waits in host memory (offload)
         schedule = str(Schedule.RETAIN)
-    sharded = any(fully_sharded(m) or fsdp1_unit(m) for m in module.modules())  # FSDP2 or FSDP1
+    sharded = (any(fully_sharded(m) or fsdp1_unit(m) for m in module.modules())  # FSDP2, FSDP1 or ZeRO-3
+               or any(map(zero3_partitioned, module.parameters())))
     per_block = sharded if request.per_block is None else request.per_block
     schedule_runtime = BitwiseRetain() if bitwise else SCHEDULES[Schedule(schedule)].runtime()
     native = functools.partial(torch.nn.Module.__call__, module)  # the module's call, hooks included
