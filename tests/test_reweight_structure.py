@@ -1,6 +1,8 @@
 """Structural tests of Reweight: the provisional backward in the rollout, the per-row backward graphs, and what
 the plan chooses and refuses."""
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from leancompile import backbones, optimize, passes
 from leancompile.passes.meta import CALL, PARAMETER, PROVISIONAL, REWRITE, Provisional, Rewrite
@@ -125,3 +127,36 @@ def test_the_per_row_backward_keeps_a_gradient_row_per_row_and_retain_sums_them(
         assert len(outputs) == len(trainer.trainable)
     rows = {s[0] for s in shapes["reweight"]}
     assert len(rows) == 1 and [s[1:] for s in shapes["reweight"]] == shapes["retain"]
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.data())
+def test_a_served_calls_gradient_combines_exactly_the_rows_it_was_found_at(data):
+    """However the served rows lie among the kept calls' rows (a shuffled micro-batch, a few rows far apart, rows of
+    two kept calls), each parameter's gradient is the sum over the served rows and cotangents of the coefficient
+    times that row's provisional gradient, in float64 to rounding, and no other kept row contributes."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from leancompile.runtime.reweight import ProvisionalRows, Reweight
+    from leancompile.runtime.store import KeptCall, Match
+
+    generator = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16)))
+    shapes, k = [(3, 5), (7,), (2, 2, 2)], data.draw(st.integers(1, 2))
+    kept = []
+    for _ in range(data.draw(st.integers(1, 2))):
+        rows = data.draw(st.integers(1, 12))
+        gradients = [tuple(torch.randn((rows, *shape), generator=generator, dtype=torch.float64) for _ in range(k))
+                     for shape in shapes]
+        provisional = ProvisionalRows(None, gradients, torch.zeros(rows, dtype=torch.bool))
+        kept.append(KeptCall(None, (), (), rows=provisional))
+    every = [(call, row) for call in kept for row in range(len(call.rows.used))]
+    places = data.draw(st.permutations(every)).__getitem__(slice(0, data.draw(st.integers(1, len(every)))))
+    coefficients = torch.randn((len(places), k), generator=generator, dtype=torch.float64)
+    grads = Reweight().gradients(None, Match(tuple(places)), torch.zeros(len(places)),
+                                 context=SimpleNamespace(values=coefficients))
+    for i, grad in enumerate(grads):
+        expected = sum(coefficients[p, b] * call.rows.gradients[i][b][row]
+                       for p, (call, row) in enumerate(places) for b in range(k))
+        torch.testing.assert_close(grad, expected, rtol=1e-12, atol=1e-12)

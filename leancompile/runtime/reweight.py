@@ -191,21 +191,21 @@ class Reweight(ScheduleRuntime):
             if coefficients is None:
                 return None
         # Each parameter's gradient is a matrix-vector product over the rows' provisional gradients, read in place
-        # run by run of consecutive kept rows: gathering them first copied every row twice.
+        # (gathering them first copied every row twice), one per stretch of kept rows (see _stretches)
         runs, offset = [], 0
         for provisional, index, _ in groups:
-            for start, stop in _consecutive(index.tolist()):
-                runs.append((provisional, start, stop, coefficients[offset:offset + stop - start]))
-                offset += stop - start
+            weights = coefficients[offset:offset + len(index)]
+            offset += len(index)
+            runs += [(provisional, start, stop, _InDtypes(w.t())) for start, stop, w in _stretches(index, weights)]
         grads = []
         for i in range(len(groups[0][0].gradients)):
             total = None
             for provisional, start, stop, weights in runs:
-                for basis_rows, basis_weights in zip(provisional.gradients[i], weights.t()):
+                for basis_rows, k in zip(provisional.gradients[i], range(len(provisional.gradients[i]))):
                     if basis_rows is None:  # a head that did not reach this block call
                         continue
                     rows = basis_rows[start:stop]  # (run, *shape)
-                    matrix, vector = rows.reshape(stop - start, -1).t(), basis_weights.to(rows.dtype)
+                    matrix, vector = rows.reshape(stop - start, -1).t(), weights.of(rows.dtype)[k]
                     total = torch.mv(matrix, vector) if total is None else total.addmv_(matrix, vector)
             grads.append(total.view(rows.shape[1:]))
         for i in inputs:  # each row's input gradient: its own combination, placed at its row of the call
@@ -239,15 +239,40 @@ def in_span(basis: torch.Tensor, cotangent: torch.Tensor, precision: torch.dtype
     return coefficients
 
 
-def _consecutive(rows: list[int]) -> list[tuple[int, int]]:
-    """``rows`` as ``[start, stop)`` runs of consecutive indices, in order."""
-    runs = []
+def _stretches(index: torch.Tensor, weights: torch.Tensor) -> list[tuple[int, int, torch.Tensor]]:
+    """The kept rows ``index`` with their ``weights`` ``(rows, k)`` as ``[start, stop)`` stretches of kept rows, each
+    with its rows' weights ``(stop - start, k)``: one stretch from the first row to the last, rows not in ``index``
+    weighing 0, where it reads at most twice the rows it uses (an update's shuffled micro-batch: one product per
+    parameter instead of one per row); else runs of consecutive rows."""
+    rows = index.tolist()
+    first, last = min(rows), max(rows)
+    if last - first + 1 <= 2 * len(rows):
+        dense = weights.new_zeros((last - first + 1, weights.shape[1]))
+        return [(first, last + 1, dense.index_add_(0, index - first, weights))]
+    stretches, offset = [], 0
     for row in rows:
-        if runs and runs[-1][1] == row:
-            runs[-1][1] = row + 1
+        if stretches and stretches[-1][1] == row:
+            stretches[-1][1] = row + 1
         else:
-            runs.append([row, row + 1])
-    return [tuple(run) for run in runs]
+            stretches.append([row, row + 1])
+    out = []
+    for start, stop in stretches:
+        out.append((start, stop, weights[offset:offset + stop - start]))
+        offset += stop - start
+    return out
+
+
+class _InDtypes:
+    """A stretch's weights ``(k, rows)``, cast once to each dtype the parameters' gradients come in."""
+
+    def __init__(self, weights: torch.Tensor):
+        self.weights = weights
+        self._cast: dict[torch.dtype, torch.Tensor] = {}
+
+    def of(self, dtype: torch.dtype) -> torch.Tensor:
+        if dtype not in self._cast:
+            self._cast[dtype] = self.weights.to(dtype)
+        return self._cast[dtype]
 
 
 class Coefficients:
