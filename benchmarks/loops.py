@@ -90,7 +90,7 @@ def measure_loop(name: str, repetitions: int, device: str = "cpu") -> dict:
                 "wrapped": _Program(loop_class(config, use_leancompile=True))}
     first = {key: program.step(None) for key, program in programs.items()}  # compiles, traces
     stats = {key: program.step(None) for key, program in programs.items()}
-    # auto's trial alternates native and program cycles until its verdict (wrapping.auto_trial): timed as the loop
+    # auto's trial alternates native and program cycles until its verdict (runtime.auto_trial): timed as the loop
     # runs then, and not under the FLOP counter's dispatch mode, which slows the program's many small operators
     # more than native's; both loops take as many steps, so that their weights compare
     while any(s.get("trying") for s in stats.values()):

@@ -176,6 +176,12 @@ def same_program(auto, schedule: str) -> bool:
     return auto.plan.schedule == schedule and all(a.label in (schedule, "no-grad") for a in auto.plan.steps)
 
 
+def tried(trainer, prompts) -> None:
+    """auto's trial of its program against native (runtime.auto_trial), stepped until its verdict."""
+    while trainer.step(prompts)["trying"]:
+        pass
+
+
 def measure_case(case: Case, repetitions: int, schedules: tuple[str, ...] = ("retain", "reweight", "auto"),
                  min_seconds: float = 0.0) -> list[dict]:
     """One row per schedule. Every program runs the same sequence of steps (two warm-up steps, the second
@@ -186,11 +192,14 @@ def measure_case(case: Case, repetitions: int, schedules: tuple[str, ...] = ("re
     programs = build_programs(case, schedules)
     schedules = tuple(s for s in schedules if s in programs)
     cost = (programs["auto"] if "auto" in programs else leancompile.optimize(build_trainer(case))).plan.cost
-    # Where auto compiled to exactly a single schedule's program, timing it again would only measure noise: its
-    # row reports that program's measurement.
+    # auto tries its program against native over whole steps before it settles (runtime.auto_trial); where it then
+    # runs exactly a single schedule's program, or natively, timing it again would only measure noise: its row
+    # reports that program's measurement.
     timed_as = {name: name for name in schedules}
     if "auto" in programs:
-        timed_as["auto"] = next((s for s in schedules if s != "auto" and same_program(programs["auto"], s)), "auto")
+        tried(programs["auto"], list(case.prompts))
+        timed_as["auto"] = "native" if programs["auto"]._engine is None else next(
+            (s for s in schedules if s != "auto" and same_program(programs["auto"], s)), "auto")
     timed = {name: programs[name] for name in ("native", *schedules) if timed_as.get(name, name) == name}
     prompts = list(case.prompts)
     warm_up = {name: timed_step(trainer, prompts)[0] for name, trainer in timed.items()}  # compiles, traces

@@ -6,20 +6,20 @@ placed before the trainer's own class. During a step every ``self.backbone(...)`
 the overrides below only tell the engine's policy which rollout calls to keep (the plan's trained steps) and, for
 Reweight, run the trainer's own loss head on each kept step. The update, its backward and its optimizer steps are
 the trainer's own. Where the plan came from auto, the program's measured time is compared with native's after the
-first step that served calls (:mod:`leancompile.runtime.auto`), and the trainer runs natively from then on where it
-is slower.
+first steps alternately with the program and natively (:mod:`leancompile.runtime.auto_trial`: a step is the
+trial's cycle), and the trainer runs natively from then on where the program is not faster.
 """
 from __future__ import annotations
 
 import contextlib
-import functools
 import warnings
 
 import torch
 
-from .plan import Plan
+from .plan import AUTO, Plan
 from .backbones.routing import CalledAs, running
-from .runtime.auto import Watch
+from .runtime import auto
+from .runtime.auto_trial import Trial, Verdict
 from .runtime.engine import ReuseEngine, no_stats
 from .protocol import MicroStep
 
@@ -34,8 +34,9 @@ class Optimized:
     # loss heads (which run the reference once per provisional advantage) and served to the update, verified
     _reference_engine: ReuseEngine | None = None
     _predicted = None  # epoch 0's trained steps (samples, k), predicted before the rollout
-    # auto's run-time check of the program against native (runtime.auto), where its plan runs a timed engine
-    _watch: Watch | None = None
+    # auto's trial of the program against native over whole steps (runtime.auto_trial), until its verdict
+    _trial: Trial | None = None
+    _verdict: Verdict | None = None
     _kept_now: list = ()
 
     def explain(self) -> str:
@@ -44,21 +45,23 @@ class Optimized:
         return explain_text(self)
 
     def step(self, prompts):
+        # auto's plan, tried in one process (ranks would each reach their own verdict)
+        if self._trial is None and self._verdict is None and self._engine is not None and auto.AUTO_FLOOR > 0 \
+                and self.plan.requested == AUTO and self.sync.world_size == 1:
+            self._trial = Trial()
+        if self._trial is not None:
+            self._try()
         engine, reference = self._engine, self._reference_engine
-        if engine is None:
-            stats = {**no_stats(), **super().step(prompts)}
-            if self._watch is not None:  # auto measured the program slower than native: it said so
-                stats["stopped"] = self._watch.verdict
+        if engine is None or (self._trial is not None and self._trial.native):
+            stats = {**no_stats(), **self._natively(prompts), "trying": self._trial is not None}
+            if self._verdict is not None and not self._verdict.keeps:  # auto measured native faster: it said so
+                stats["stopped"] = str(self._verdict)
             return stats
-        if self._watch is None and getattr(engine, "timed", False):  # auto's plan in one process (schedules)
-            self._watch = Watch(self.trainable)
-        watch = self._watch
         gathers = self.sync.gathers  # FSDP2's gather of the whole weights comes before the trainer's own step
         try:
             with contextlib.ExitStack() as routes:
                 backbone, _ = routes.enter_context(self.sync.whole_weights(self))
-                call = engine if watch is None else functools.partial(_watched, watch, engine, backbone)
-                routes.enter_context(running(self, CalledAs(backbone, call)))
+                routes.enter_context(running(self, CalledAs(backbone, engine)))
                 if reference is not None:  # its calls recorded in the engine's log (see api._reference_engine)
                     routes.enter_context(running(self, CalledAs(self.reference, reference), "reference"))
                 stats = super().step(prompts)
@@ -70,12 +73,29 @@ class Optimized:
                 extra["check_seconds"] += reference.end_step()["check_seconds"]
             self._predicted = None
         stats.update(extra)
+        stats["trying"] = self._trial is not None
         self.graphs.update(runtime_graphs(engine))
-        if watch is not None and watch.weigh(self.last_calls, extra["check_seconds"]) is not None:
-            stats["stopped"] = watch.verdict
-            warnings.warn(f"leancompile.optimize: {watch.verdict}", RuntimeWarning, stacklevel=2)
-            self._engine = self._reference_engine = None
         return stats
+
+    def _try(self) -> None:
+        """auto's trial: a step begins, the one before it ends; at the verdict the program keeps serving or,
+        measured no faster, the trainer runs natively from now on and says why."""
+        verdict = self._trial.rollout(auto.now(), self._engine.compiled_seconds)
+        if verdict is None:
+            return
+        self._trial, self._verdict = None, verdict
+        if not verdict.keeps:
+            warnings.warn(f"leancompile.optimize: {verdict}", RuntimeWarning, stacklevel=3)
+            self._engine = self._reference_engine = None  # each step freed what its engine kept
+
+    def _natively(self, prompts) -> dict:
+        """The trainer's own step, no call routed to an engine (auto's native steps, and after its fallback)."""
+        engines = self._engine, self._reference_engine
+        self._engine = self._reference_engine = None
+        try:
+            return super().step(prompts)
+        finally:
+            self._engine, self._reference_engine = engines
 
     def rollout(self, prompts):
         self._num_samples = len(list(prompts)) * getattr(self, "samples_per_prompt", self.config.group_size)
@@ -149,10 +169,6 @@ class Optimized:
         super().optimizer_step()
         if self._engine is not None:
             self.sync.weights_changed()  # FSDP2: the whole weights a rewritten step runs on are gathered anew
-
-
-def _watched(watch: Watch, engine: ReuseEngine, backbone, *args, **kwargs):
-    return watch.call(engine, backbone, args, kwargs)
 
 
 def runtime_graphs(engine: ReuseEngine) -> dict:

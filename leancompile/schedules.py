@@ -21,7 +21,7 @@ import torch
 from . import passes
 from .cost.planner import (Estimate, Estimator, StepModel, all_steps, estimate_retain, estimate_reweight, format_bytes,
                            reweight_per_block)
-from .plan import AUTO, Action, Linearity, Refusal, Schedule, StepAction
+from .plan import Action, Linearity, Refusal, Schedule, StepAction
 from .runtime.bitwise import BitwiseRetain
 from .request import Request
 from .runtime.engine import ReuseEngine
@@ -271,10 +271,7 @@ def _engine(trainer, schedule_runtime: ScheduleRuntime, steps, request: Request,
         pass
     rowwise = {f: RowwiseBackbone(backbone, f, tune_matmuls=request.tune_matmuls, history=history)
                for f in sorted(fractions)}
-    # auto's plan is checked against native at run time in one process (runtime.auto): each kept and served call
-    # timed
-    return ReuseEngine(backbone, schedule_runtime, rowwise, StepPolicy(), sync=trainer.sync,
-                       timed=request.schedule == AUTO and trainer.sync.world_size == 1, verify=request.verify)
+    return ReuseEngine(backbone, schedule_runtime, rowwise, StepPolicy(), sync=trainer.sync, verify=request.verify)
 
 
 _HOW = {Action.RETAIN: "the rollout keeps its activations for the update's calls",

@@ -98,7 +98,7 @@ class ReuseEngine:
         the state (plan.VERIFY)."""
         self.backbone = backbone
         self.policy = policy if policy is not None else StepPolicy()
-        self.timed = timed  # each kept and served call's own time measured to the device's end (auto compares it)
+        self.timed = timed  # each kept and served call's own time measured to the device's end (the calibration)
         # What runs a call natively: the module, or (a block whose forward routes to this engine) its own forward
         self.native = native if native is not None else backbone
         self.shared = shared  # keyword arguments every row shares whatever their size (see runtime.calls)

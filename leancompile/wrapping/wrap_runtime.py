@@ -1,7 +1,8 @@
 """The runtime behind a wrapped module (:func:`leancompile.wrap`): the engine and its policy built from the
 wrapper's request, the checks that no framework took the module's parameters over, the descent to a submodule
 where the module's own program cannot keep its calls or where a wrapper (DDP) must run its own forward around
-them, auto's trial against native (:mod:`.auto_trial`), and the look back at each optimizer step (:mod:`.watch`)."""
+them, auto's trial against native (:mod:`..runtime.auto_trial`), and the look back at each optimizer step
+(:mod:`.watch`)."""
 from __future__ import annotations
 
 import functools
@@ -25,7 +26,7 @@ from ..runtime.policy import RolloutPolicy
 from ..runtime.regional import RegionalEngine, transformer_blocks
 from ..runtime.rowwise import RowwiseBackbone
 from ..schedules import SCHEDULES
-from .auto_trial import Trial, Verdict
+from ..runtime.auto_trial import Trial, Verdict
 from .watch import FIXES, REGISTRATIONS, NothingServedError, NothingServedWarning, watch
 from .wrapped import RUNTIME, untraced, wrapped_class
 
@@ -230,9 +231,9 @@ class WrapRuntime:
         return stats
 
     def _tried_natively(self) -> bool:
-        """auto's trial (:mod:`.auto_trial`): where a rollout begins, the cycle before it ends; whether this call's
-        cycle runs natively, outside every engine. At the verdict, the program keeps serving or, measured slower,
-        nothing more is kept and the loop runs natively from then on, saying why."""
+        """auto's trial (:mod:`..runtime.auto_trial`): where a rollout begins, the cycle before it ends; whether this
+        call's cycle runs natively, outside every engine. At the verdict, the program keeps serving or, measured
+        slower, nothing more is kept and the loop runs natively from then on, saying why."""
         if self.trial is None:
             return False
         if self.rollout_due and torch.is_grad_enabled():  # the update goes on after a step: no rollout began

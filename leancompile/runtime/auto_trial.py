@@ -1,7 +1,7 @@
-"""auto in ``wrap``: the per-row program tried against native over whole cycles of the user's loop.
+"""auto at run time: the per-row program tried against native over whole cycles of the loop.
 
-A cycle runs from one rollout's first call to the next's (a rollout: calls without grad after an optimizer step), so
-it holds all the loop does: the rollout, its rewards, the update, its optimizer steps, the engine's checks, and a
+In ``wrap`` a cycle runs from one rollout's first call to the next's (a rollout: calls without grad after an
+optimizer step); in ``optimize`` it is one of the trainer's steps. Either holds all the loop does: the rollout, its rewards, the update, its optimizer steps, the engine's checks, and a
 compile that recurs at every step (a module whose state differs at each). Timing single calls beside the program
 misses what a step costs around them (caches the program's kept activations push out, gradients accumulated rather
 than returned), and did so by 20-40% on the CPU; a cycle is the unit the user's speed is measured in.
