@@ -97,6 +97,17 @@ def check_served_calls(trainer, marks, every_call_served: bool):
     assert all(r.action == "recomputed" and r.kind in ("weights", "nothing kept", "inputs") for r in after), after
 
 
+def steps_clock(program_seconds: float):
+    """auto's clock (``runtime.auto.now``), read once at the start of each of a trainer's steps while its trial runs:
+    the first step (which compiles) takes 5 s, then native's steps 1 s and the program's ``program_seconds``,
+    alternately from the second step on, through the verdict at the eighth."""
+    times, at = [], 0.0
+    for step in range(1, 9):
+        times.append(at)
+        at += 5.0 if step == 1 else 1.0 if step % 2 == 0 else program_seconds
+    return iter(times).__next__
+
+
 def spawn_ranks(worker, world: int, out, *args) -> list:
     """Run ``worker(rank, port, *args, out)`` in ``world`` processes on a free local port; each writes
     ``out/rank{rank}.pt``, which is returned in rank order."""

@@ -14,7 +14,7 @@ from leancompile.runtime import auto, calibration
 from leancompile.schedules import estimators
 from leancompile.trainers import FlowGRPOConfig, trainer_class
 
-from conftest import PromptTable, mean_reward
+from conftest import PromptTable, mean_reward, steps_clock
 
 FLOOR = auto.AUTO_FLOOR  # conftest's fixture sets it to 0 for the other tests
 MEASURE = calibration.overheads  # and replaces the calibration
@@ -93,16 +93,6 @@ def _weights(trainer):
     return torch.cat([p.detach().flatten().double() for p in trainer.trainable])
 
 
-def _steps_clock(program_seconds: float):
-    """auto's clock, read once at the start of each step while its trial runs: the first step (which compiles) takes
-    5 s, then native's steps 1 s and the program's ``program_seconds``, alternately from the second step on."""
-    times, at = [], 0.0
-    for step in range(1, 9):
-        times.append(at)
-        at += 5.0 if step == 1 else 1.0 if step % 2 == 0 else program_seconds
-    return iter(times).__next__
-
-
 @pytest.mark.parametrize("program_seconds, falls_back", [(1.2, True), (0.8, False)])
 def test_auto_tries_the_program_against_native_over_whole_steps(monkeypatch, program_seconds, falls_back):
     """After the step that compiles, three pairs of steps alternate native (nothing served) and the program; the
@@ -112,7 +102,7 @@ def test_auto_tries_the_program_against_native_over_whole_steps(monkeypatch, pro
     overrides = {"qk_norm": None}  # SD3.5's float32 RMSNorm would bound float64 agreement (tests of Retain)
     monkeypatch.setattr(calibration, "overheads", lambda device_type: NEGLIGIBLE)
     monkeypatch.setattr(auto, "AUTO_FLOOR", FLOOR)
-    monkeypatch.setattr(auto, "now", _steps_clock(program_seconds))
+    monkeypatch.setattr(auto, "now", steps_clock(program_seconds))
     native, optimized = _trainer(config, **overrides), optimize(_trainer(config, **overrides), "auto")
     assert optimized.plan.schedule == "retain"
     with warnings.catch_warnings(record=True) as caught:

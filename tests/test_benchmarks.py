@@ -11,6 +11,7 @@ import torch
 from benchmarks import cases, measure_case
 from benchmarks.measure import build_programs, counted_step, max_rel_weight_diff
 from benchmarks.report import machine_line, write_results
+from conftest import steps_clock
 
 FIELDS = {"backbone": str, "trainer": str, "tuning": str, "schedule": str, "runs": str, "plan": str,
           "predicted_speedup": float, "speedup": float, "ideal_speedup": float,
@@ -162,13 +163,12 @@ def test_the_bitwise_row_trains_native_weights_bit_for_bit_and_says_what_it_cost
 
 
 def test_the_equivalence_run_completes_where_auto_falls_back(monkeypatch):
-    """``make bench``'s side-by-side training where auto's run-time check falls back to native after its first step
-    (native measured faster): the optimized trainer's steps report the engine's keys whatever ran."""
+    """``make bench``'s side-by-side training where auto's trial falls back to native (the program measured slower
+    over whole steps): the optimized trainer's steps report the engine's keys whatever ran, before and after."""
     from benchmarks.equivalence import train_side_by_side
     from leancompile.runtime import auto
 
     monkeypatch.setattr(auto, "AUTO_FLOOR", 0.97)
-    monkeypatch.setattr(auto, "forward_seconds", lambda module, args, kwargs: 1e-12)
-    monkeypatch.setattr(auto, "update_seconds", lambda module, trainable, args, kwargs: 1e-12)
-    result = train_side_by_side(2, "float64")
-    assert result["steps"] == 2 and result["weight_rel_error"] <= 1e-10
+    monkeypatch.setattr(auto, "now", steps_clock(1.2))
+    result = train_side_by_side(9, "float64")
+    assert result["steps"] == 9 and result["served_calls"] > 0 and result["weight_rel_error"] <= 1e-10

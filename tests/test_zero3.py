@@ -3,15 +3,16 @@ under ``no_grad``, per sample its own trained step, two optimizer steps per roll
 parameter (``stage3_param_persistence_threshold=0``: none kept whole), gathers a module's parameters in its
 pre-forward hook and frees them after, gathers them again before its backward and reduce-scatters the gradients.
 
-With each transformer block a ZeRO-3 leaf module (``deepspeed.utils.set_z3_leaf_modules``: the block's hooks gather
-its whole tree), ``leancompile.wrap`` of the engine's module, or of the transformer before ``deepspeed.initialize``,
-serves it per block: each block's forward is routed to the block's engine while DeepSpeed's hooks run around it.
-The weights after two GRPO steps are ZeRO-3 alone's to float32's rounding, every update call before a rollout's
-first optimizer step is served, and ZeRO-3 runs as many gathers and reduce-scatters, of as many elements, per
-optimizer step as natively. Without leaf blocks a served block would skip its submodules' gathers: the module runs natively, bitwise
-ZeRO-3 alone, and the warning names ``set_z3_leaf_modules``. ZeRO-3 takes float32, bfloat16 or float16 parameters
-only (``deepspeed.zero.Init`` refuses float64), so the loop runs in float32. The weights' digest reads each
-parameter's own partition, never the empty or freed tensor the parameter holds."""
+With each transformer block a ZeRO-3 leaf module (``deepspeed.utils.set_z3_leaf_modules``, or the configuration's
+``zero_optimization.leaf_module``: the block's hooks gather its whole tree), ``leancompile.wrap`` of the engine's
+module, or of the transformer before ``deepspeed.initialize``, serves it per block: each block's forward is routed
+to the block's engine while DeepSpeed's hooks run around it. The weights after two GRPO steps are ZeRO-3 alone's to
+float32's rounding, every update call before a rollout's first optimizer step is served, and ZeRO-3 runs as many
+gathers and reduce-scatters, of as many elements, per optimizer step as natively. Without leaf blocks a served block
+would skip its submodules' gathers: the module runs natively, bitwise ZeRO-3 alone, and the warning names
+``set_z3_leaf_modules``. ZeRO-3 takes float32, bfloat16 or float16 parameters only (``deepspeed.zero.Init`` refuses
+float64), so the loop runs in float32. The weights' digest reads each parameter's own partition, never the empty or
+freed tensor the parameter holds."""
 import collections
 import os
 import warnings
@@ -34,16 +35,18 @@ FLOAT32 = 1e-6  # float32's rounding of the trained weights' change (its epsilon
 
 
 class Zero3Flux(dancegrpo_flux.Loop):
-    """The example's Flux loop in a ZeRO-3 ``DeepSpeedEngine``, its transformer's blocks ZeRO-3 leaf modules where
-    ``leaves``, wrapped by leancompile ``where`` (after ``deepspeed.initialize``, before it, or None: not wrapped)."""
+    """The example's Flux loop in a ZeRO-3 ``DeepSpeedEngine``, its transformer's blocks made ZeRO-3 leaf modules by a
+    ``leaves`` (``set_z3_leaf_modules`` before ``deepspeed.initialize``, or the configuration's ``leaf_module``;
+    None: not), wrapped by leancompile ``where`` (after ``deepspeed.initialize``, before it, or None: not wrapped)."""
 
-    def __init__(self, config, where: str | None, leaves: bool):
+    def __init__(self, config, where: str | None, leaves: str | None):
         import deepspeed
 
         super().__init__(config, use_leancompile=False)
         transformer = self.transformer
-        if leaves:
-            deepspeed.utils.set_z3_leaf_modules(transformer, list({type(b) for b in transformer_blocks(transformer)}))
+        classes = sorted({type(b).__name__ for b in transformer_blocks(transformer)})
+        if leaves == "call":
+            deepspeed.utils.set_z3_leaf_modules(transformer, classes)
         if where == "before":
             transformer = leancompile.wrap(transformer)
         # DeepSpeed prefetches, and keeps gathered for reuse, along the module order it traced: a served step's
@@ -52,6 +55,8 @@ class Zero3Flux(dancegrpo_flux.Loop):
         # gather is a module's own fetch, counted per step.
         zero = {"stage": 3, "stage3_param_persistence_threshold": 0, "stage3_prefetch_bucket_size": 0,
                 "stage3_max_reuse_distance": 0}
+        if leaves == "config":  # what a configuration file (accelerate's deepspeed_config_file) can say
+            zero["leaf_module"] = {"classes": classes}
         settings = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": ACCUMULATION * TRAINED,
                     "zero_optimization": zero,
                     "zero_allow_untested_optimizer": True, "gradient_clipping": 1.0}
@@ -123,7 +128,7 @@ class Collectives:
             delattr(self.backend, name)
 
 
-def _run(where: str | None, leaves: bool) -> dict:
+def _run(where: str | None, leaves: str | None) -> dict:
     import deepspeed
 
     config = dancegrpo_flux.Config(num_steps=CONFIG.num_steps, dtype=CONFIG.dtype, seed=dist.get_rank())
@@ -168,10 +173,10 @@ def _close(change, native, tolerance):
     return float((change - native).norm() / native.norm()) <= tolerance
 
 
-@pytest.mark.parametrize("where", ["after", "before"])
-def test_zero3_with_leaf_blocks_is_served_per_block(tmp_path, where):
+@pytest.mark.parametrize("where, leaves", [("after", "call"), ("before", "config")])
+def test_zero3_with_leaf_blocks_is_served_per_block(tmp_path, where, leaves):
     pytest.importorskip("deepspeed")
-    for rank in spawn_ranks(_worker, WORLD, tmp_path, [("native", None, True), ("wrapped", where, True)]):
+    for rank in spawn_ranks(_worker, WORLD, tmp_path, [("native", None, leaves), ("wrapped", where, leaves)]):
         native, wrapped = rank["native"], rank["wrapped"]
         assert native["change"].norm() > 0
         assert wrapped["per_block"] and wrapped["stepped"] and not wrapped["told"], wrapped["told"]
@@ -195,7 +200,7 @@ def test_zero3_with_leaf_blocks_is_served_per_block(tmp_path, where):
 
 def test_zero3_without_leaf_blocks_runs_natively_exactly_and_says_why(tmp_path):
     pytest.importorskip("deepspeed")
-    for rank in spawn_ranks(_worker, WORLD, tmp_path, [("native", None, False), ("wrapped", "after", False)]):
+    for rank in spawn_ranks(_worker, WORLD, tmp_path, [("native", None, None), ("wrapped", "after", None)]):
         native, wrapped = rank["native"], rank["wrapped"]
         assert native["change"].norm() > 0
         assert wrapped["change"].equal(native["change"])  # natively: bitwise ZeRO-3's

@@ -42,11 +42,15 @@ def whole_shape(p: torch.Tensor) -> torch.Size:
 
 def framework_hook(hook) -> bool:
     """Whether ``hook`` is a sharding framework's own: a method of FSDP2's state, or one of DeepSpeed ZeRO-3's
-    functions (they gather and free the weights around a call, and count its backward)."""
+    functions (they gather and free the weights around a call, count its backward, reduce its gradients)."""
     owner = getattr(hook, "__self__", None)
     if owner is not None:
         return type(owner).__module__.startswith("torch.distributed.fsdp")
-    return (getattr(hook, "__module__", None) or "").startswith("deepspeed.")
+    module = getattr(hook, "__module__", None) or ""
+    if module == "deepspeed.utils.nvtx":  # DeepSpeed's profiling wrapper: the function it wraps says
+        cells = dict(zip(hook.__code__.co_freevars, hook.__closure__ or ()))
+        return "func" in cells and framework_hook(cells["func"].cell_contents)
+    return module.startswith("deepspeed.runtime.zero")
 
 
 def fsdp1_unit_of(block: torch.nn.Module) -> torch.nn.Module | None:

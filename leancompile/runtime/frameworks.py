@@ -40,12 +40,13 @@ def zero3_refusal(module: torch.nn.Module, schedule: str | None = None, per_bloc
     submodule's own parameters in that submodule's forward hooks and again before its backward: a block served from
     kept tensors runs none of its submodules, so each block must gather its whole tree in its own hooks, as a ZeRO-3
     leaf module does (``deepspeed.utils.set_z3_leaf_modules`` before ``deepspeed.initialize``, or the
-    configuration's ``leaf_module``). Then each block's ``forward`` is routed to the block's engine while
-    DeepSpeed's hooks on the block run around it, as FSDP2's do: the pre-forward gathers the block's parameters and
-    registers the post-backward release on its inputs, the post-forward frees them and registers the pre-backward
-    gather on its outputs; the served backward's parameter gradients reach DeepSpeed's reduce-scatter hooks through
-    autograd, as native's do. The weights' values are read from each parameter's partition (``ds_tensor``), which
-    the optimizer writes through ``.data``, moving no version counter: only the digest sees the step."""
+    configuration's ``zero_optimization.leaf_module``). Then each block's ``forward`` is routed to the block's
+    engine while DeepSpeed's hooks on the block run around it, as FSDP2's do: the pre-forward gathers the block's
+    parameters and registers the post-backward release on its inputs, the post-forward frees them and registers the
+    pre-backward gather on its outputs; the served backward's parameter gradients reach DeepSpeed's reduce-scatter
+    hooks through autograd, as native's do. The weights' values are read from each parameter's partition
+    (``ds_tensor``), which the optimizer writes through ``.data``, moving no version counter: only the digest sees
+    the step."""
     from .regional import transformer_blocks
 
     head = "DeepSpeed ZeRO-3"
@@ -65,7 +66,8 @@ def zero3_refusal(module: torch.nn.Module, schedule: str | None = None, per_bloc
         return (f"{head} gathers each submodule's own parameters in that submodule's forward hooks, which a block "
                 f"served from kept tensors would skip; it is served per block where each transformer block is a "
                 f"ZeRO-3 leaf module, and {name} is not: call deepspeed.utils.set_z3_leaf_modules(model, "
-                f"[{name}, ...]) before deepspeed.initialize")
+                f"[{name}, ...]) before deepspeed.initialize, or name the classes in the configuration's "
+                '"zero_optimization": {"leaf_module": {"classes": [...]}}')
     return None
 
 
