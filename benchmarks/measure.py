@@ -176,40 +176,36 @@ def same_program(auto, schedule: str) -> bool:
     return auto.plan.schedule == schedule and all(a.label in (schedule, "no-grad") for a in auto.plan.steps)
 
 
-def tried(trainer, prompts) -> None:
-    """auto's trial of its program against native (runtime.auto_trial), stepped until its verdict."""
-    while trainer.step(prompts)["trying"]:
-        pass
-
-
 def measure_case(case: Case, repetitions: int, schedules: tuple[str, ...] = ("retain", "reweight", "auto"),
                  min_seconds: float = 0.0) -> list[dict]:
-    """One row per schedule. Every program runs the same sequence of steps (two warm-up steps, the second
-    FLOP-counted, then the timed rounds), so their weights must agree with the native program's at the end. The
+    """One row per schedule. Every program runs the same sequence of steps (two warm-up steps, more while auto's
+    trial runs, the last FLOP-counted, then the timed rounds), so their weights must agree with the native program's at the end. The
     planner's predictions come from an auto compilation of the same trainer (on this CPU, for this step's
     samples). At least ``repetitions`` rounds are timed, more where native's steps are short, until they add up to
     about ``min_seconds`` of native time."""
     programs = build_programs(case, schedules)
     schedules = tuple(s for s in schedules if s in programs)
     cost = (programs["auto"] if "auto" in programs else leancompile.optimize(build_trainer(case))).plan.cost
-    # auto tries its program against native over whole steps before it settles (runtime.auto_trial); where it then
-    # runs exactly a single schedule's program, or natively, timing it again would only measure noise: its row
-    # reports that program's measurement.
+    prompts = list(case.prompts)
+    # The first step compiles and traces. auto tries its program against native over whole steps before it settles
+    # (runtime.auto_trial): every program takes those steps too, so that their weights compare.
+    warm_up = {name: timed_step(trainer, prompts) for name, trainer in programs.items()}
+    while "auto" in warm_up and warm_up["auto"][1]["trying"]:
+        warm_up = {name: timed_step(trainer, prompts) for name, trainer in programs.items()}
+    # Where auto settled on exactly a single schedule's program, or on native, timing it again would only measure
+    # noise: its row reports that program's measurement.
     timed_as = {name: name for name in schedules}
     if "auto" in programs:
-        tried(programs["auto"], list(case.prompts))
         timed_as["auto"] = "native" if programs["auto"]._engine is None else next(
             (s for s in schedules if s != "auto" and same_program(programs["auto"], s)), "auto")
     timed = {name: programs[name] for name in ("native", *schedules) if timed_as.get(name, name) == name}
-    prompts = list(case.prompts)
-    warm_up = {name: timed_step(trainer, prompts)[0] for name, trainer in timed.items()}  # compiles, traces
     # Not the first step: that one can skip work every later step does (while LoRA's B is zero the policy is the
     # KL reference, so Reweight's KL gradient is exactly zero and its backward is skipped), and the paths it
     # skipped compile in the second.
     flops = {name: counted_step(trainer, prompts)[1] for name, trainer in timed.items() if name != "native"}
     flops["native"], redundant = redundant_step(programs["native"], prompts)
     # A short step's ratio spreads more between rounds; a time budget evens the rows' precision.
-    repetitions = max(repetitions, math.ceil(min_seconds / warm_up["native"].wall))
+    repetitions = max(repetitions, math.ceil(min_seconds / warm_up["native"][0].wall))
     times, stats = interleaved_times(timed, prompts, repetitions)
     native = programs["native"]
     rows = []

@@ -29,6 +29,11 @@ def zero3_partitioned(t: torch.Tensor) -> bool:
     return hasattr(t, "ds_id")
 
 
+def zero3_sharded(module: torch.nn.Module) -> bool:
+    """Whether DeepSpeed ZeRO-3 partitioned parameters of ``module``."""
+    return any(map(zero3_partitioned, module.parameters()))
+
+
 def zero3_leaf(module: torch.nn.Module) -> bool:
     """Whether ``module`` is a ZeRO-3 leaf module (DeepSpeed's ``set_z3_leaf_modules``): its own forward hooks gather
     every parameter of its tree at once, and its submodules have none."""

@@ -7,7 +7,7 @@ import sys
 
 import torch
 
-from ..backbones.plain import zero3_leaf, zero3_partitioned
+from ..backbones.plain import zero3_leaf, zero3_sharded
 from ..plan import VALUES
 
 
@@ -27,7 +27,7 @@ def framework_refusal(module: torch.nn.Module, schedule: str | None = None, per_
         return ("a DistributedDataParallel inside the module arms its reducer in its own forward, which the "
                 "engine's program would bypass; it runs natively. Wrap the DistributedDataParallel itself, or the "
                 "module it holds")
-    if any(map(zero3_partitioned, module.parameters())):
+    if zero3_sharded(module):
         refusal = zero3_refusal(module, schedule, per_block, verify)
         if refusal is not None:
             return f"{refusal}; it runs natively"

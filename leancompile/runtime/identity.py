@@ -210,19 +210,13 @@ class StateReader:
         ``.data``), the digest of every weight's values (None where a storage holds none)."""
         if not self.partitioned:
             return self.versions()
-        try:
-            values = tuple(digest([fsdp1_shard(t) for t in self.versioned]).tolist())
-        except Unreadable:
-            values = None
-        return self.versions(), values
+        values = _readable_digest([fsdp1_shard(t) for t in self.versioned])
+        return self.versions(), None if values is None else tuple(values.tolist())
 
     def digest(self) -> torch.Tensor | None:
         """The exact digest of every weight's values (one int64 per tensor); None where a tensor's storage holds no
         values (freed by a framework), so that nothing is answered by comparing it."""
-        try:
-            return digest([t for _, t in self.digested])
-        except Unreadable:
-            return None
+        return _readable_digest([t for _, t in self.digested])
 
     def written(self, kept: torch.Tensor | None, now: torch.Tensor | None) -> str | None:
         """Why weights whose digest is ``now`` are not the ones a call kept with ``kept`` was made with (None: they
@@ -237,6 +231,14 @@ class StateReader:
                 f"was kept, {self.digested[changed[0]][0]} first, and no version counter moved: they were written "
                 "through .data, set_ or another alias (a reference or EMA swap; DeepSpeed ZeRO-3's optimizer step "
                 "writes its partitions so)")
+
+
+def _readable_digest(tensors: list[torch.Tensor]) -> torch.Tensor | None:
+    """``digest(tensors)``, None where a tensor's storage holds no values."""
+    try:
+        return digest(tensors)
+    except Unreadable:
+        return None
 
 
 def _attribute(value) -> type | None:

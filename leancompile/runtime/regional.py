@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 from torch.utils import _pytree as pytree
 
-from ..backbones.plain import fsdp1_unit, fully_sharded, plain_copy, whole_shape, zero3_partitioned
+from ..backbones.plain import fsdp1_unit, fully_sharded, plain_copy, whole_shape, zero3_sharded
 from ..passes.pipeline import PassHistory
 from ..plan import VALUES, StepAction
 from .calls import Call, bound, named_forward, output_layout
@@ -109,7 +109,7 @@ class RegionalEngine:
         self._answered: list[torch.nn.Module] = []  # blocks the heads answer with kept outputs (see provisional)
         # by FSDP2, FSDP1 (whose units wrap the blocks) or ZeRO-3
         self._sharded = (any(map(fully_sharded, self.blocks)) or any(map(fsdp1_unit, backbone.modules()))
-                         or any(map(zero3_partitioned, backbone.parameters())))
+                         or zero3_sharded(backbone))
         self.schedule_runtime = self.engines[0].schedule_runtime
         if not self.schedule_runtime.input_gradients:
             raise ValueError(f"{self.schedule_runtime.name} cannot serve a block: its served calls do not return their "

@@ -201,7 +201,7 @@ class Reweight(ScheduleRuntime):
         for i in range(len(groups[0][0].gradients)):
             total = None
             for provisional, start, stop, weights in runs:
-                for basis_rows, k in zip(provisional.gradients[i], range(len(provisional.gradients[i]))):
+                for k, basis_rows in enumerate(provisional.gradients[i]):
                     if basis_rows is None:  # a head that did not reach this block call
                         continue
                     rows = basis_rows[start:stop]  # (run, *shape)

@@ -12,6 +12,7 @@ from torch.nn.modules.module import (register_module_buffer_registration_hook,
                                      register_module_parameter_registration_hook)
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from ..backbones.plain import zero3_partitioned
 from ..runtime.identity import TRAINING_FLAGS
 from .wrapped import RUNTIME
 
@@ -78,7 +79,7 @@ def _optimizer_step(optimizer, *_):
     stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
     # DeepSpeed ZeRO-3's optimizer steps its flat partitions (tensors it gives a ds_id), which no parameter names:
     # a step over one is taken as a step over every module ZeRO-3 partitioned
-    partitions = any(hasattr(p, "ds_id") for group in optimizer.param_groups for p in group["params"])
+    partitions = any(zero3_partitioned(p) for group in optimizer.param_groups for p in group["params"])
     for module in list(_WATCHED):
         runtime = module.__dict__.get(RUNTIME)
         if runtime is not None and runtime.watched and (

@@ -13,7 +13,8 @@ import torch
 from torch.utils import _pytree as pytree
 
 from ..backbones.families import family_of
-from ..backbones.plain import fsdp1_routed, fsdp1_unit, fully_sharded, named_weights, zero3_partitioned
+from ..backbones.plain import (fsdp1_routed, fsdp1_unit, fully_sharded, named_weights, zero3_partitioned,
+                               zero3_sharded)
 from ..passes.pipeline import PassHistory
 from ..plan import AUTO, Action, Schedule, StepAction
 from ..request import Request
@@ -162,9 +163,10 @@ class WrapRuntime:
         framework that flattens them is refused). A block put under a checkpoint wrapper keeps its parameters but
         not their names, which the per-row program reads them by. DeepSpeed ZeRO-3 partitions the parameters in
         place, registering nothing: the first parameter shows it."""
-        if self.registrations == REGISTRATIONS[0] and self.partitioned == _partitioned(module):
+        partitioned = _partitioned(module)
+        if self.registrations == REGISTRATIONS[0] and self.partitioned == partitioned:
             return
-        self.registrations, self.partitioned = REGISTRATIONS[0], _partitioned(module)
+        self.registrations, self.partitioned = REGISTRATIONS[0], partitioned
         now = structure(module)
         if now != self.structure:
             self.refusal = framework_refusal(module, self.request.schedule, self.request.per_block,
@@ -392,7 +394,7 @@ def build_engine(module: torch.nn.Module, request: Request) -> tuple:
     if auto:  # Retain's runtime: a call kept past the memory limit waits in host memory (offload)
         schedule = str(Schedule.RETAIN)
     sharded = (any(fully_sharded(m) or fsdp1_unit(m) for m in module.modules())  # FSDP2, FSDP1 or ZeRO-3
-               or any(map(zero3_partitioned, module.parameters())))
+               or zero3_sharded(module))
     per_block = sharded if request.per_block is None else request.per_block
     schedule_runtime = BitwiseRetain() if bitwise else SCHEDULES[Schedule(schedule)].runtime()
     native = functools.partial(torch.nn.Module.__call__, module)  # the module's call, hooks included
