@@ -74,7 +74,7 @@ def test_a_backbone_without_diffusers_says_what_to_install():
 def test_core_dependencies_are_ranges_and_the_extras_hold_the_rest():
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     core = {_name(r): r for r in project["dependencies"]}
-    assert set(core) == {"torch", "networkx", "sympy", "safetensors", "numpy"}
+    assert set(core) == {"torch", "networkx", "sympy", "safetensors", "numpy", "xxhash"}
     assert all("==" not in r for r in core.values())
     extras = project["optional-dependencies"]
     diffusers = {_name(r): r for r in extras["diffusers"]}

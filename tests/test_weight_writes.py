@@ -22,12 +22,14 @@ DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int
 @settings(max_examples=60)
 @given(dtype=st.sampled_from(DTYPES), shapes=st.lists(st.tuples(st.integers(1, 40), st.integers(1, 40)), min_size=1,
                                                        max_size=4),
-       seed=st.integers(0, 2**16), change=st.sampled_from(["word", "sign", "permute", "swap two", "scale"]))
-def test_the_digest_sees_every_change_of_a_value(dtype, shapes, seed, change):
+       seed=st.integers(0, 2**16), change=st.sampled_from(["word", "sign", "permute", "swap two", "scale"]),
+       weighted=st.booleans())
+def test_the_digest_sees_every_change_of_a_value(dtype, shapes, seed, change, weighted):
+    """The CPU's XXH3 and CUDA's weighted sums (``weighted``, run on the CPU here) alike."""
     generator = torch.Generator().manual_seed(seed)
     tensors = [(torch.randn(s, generator=generator) * 3).to(dtype) for s in shapes]
-    before = digest(tensors)
-    assert torch.equal(before, digest([t.clone() for t in tensors])), "the digest depends on the values only"
+    before = digest(tensors, weighted)
+    assert torch.equal(before, digest([t.clone() for t in tensors], weighted)), "the digest depends on the values only"
     target = tensors[seed % len(tensors)]
     flat = target.view(-1)
     old = flat.clone()
@@ -42,7 +44,7 @@ def test_the_digest_sees_every_change_of_a_value(dtype, shapes, seed, change):
         flat[[0, -1]] = flat[[-1, 0]]
     elif change == "scale" and dtype != torch.bool:
         flat.mul_(2)
-    after = digest(tensors)
+    after = digest(tensors, weighted)
     if torch.equal(flat.view(torch.uint8), old.view(torch.uint8)):
         assert torch.equal(after, before)  # the change left every byte as it was (a permutation of equal values)
     else:

@@ -1,24 +1,24 @@
-"""An exact digest of the values of a module's weights, one integer per tensor, taken per kept call and per answer.
+"""A digest of the values of a module's weights, one integer per tensor, taken per kept call and per answer.
 
 Version counters see every write autograd knows of, but not one through ``.data`` (Flow-Factory's reference and EMA
 swaps, diffusers' ``EMAModel.copy_to``), a ``set_`` or a write into an alias: only the values themselves show those.
 
-A tensor's bytes are read as 32-bit words, laid in rows of :data:`ROW` words (each tensor padded to whole rows, so
-that a row belongs to one tensor). Each row's digest is the sum of its words times random odd 64-bit weights; the
-tensor's, the sum of its rows' digests times random odd weights of the rows' places; all modulo 2**64 (integer
-arithmetic wraps: exact, and independent of the reduction's order). A change of one word by ``d`` (``0 < |d| <
-2**32``) moves its row's digest by ``d * w``, never 0 modulo 2**64 for an odd ``w``, and the row's change moves the
-tensor's by a nonzero multiple of an odd weight: a single changed word is always seen. Several changes (a
-permutation, a sign flip, new values) cancel only where the random weights satisfy an equation: a change of the
-words' top bits ``2**31 * s_k`` only where ``sum(s_k w_k)`` is 0 modulo 2**33, at odds near 2**-33. A per-tensor norm
-would miss the permutation and the sign flip.
+On the CPU each tensor's bytes are hashed by XXH3-64 (the ``xxhash`` package) where they lie: memory is read once,
+at memory bandwidth, and any change of the bytes shows but with probability 2**-64 (a per-tensor norm would miss a
+permutation and a sign flip).
 
-Cost: the small tensors' bytes copied into rows (in buckets of :data:`BUCKET` bytes; a tensor of whole rows from
-:data:`IN_PLACE` bytes is read where it lies) and widened to 64-bit words. On the CPU a few rows at a time are
-widened into a buffer that stays in cache and read there by an integer matrix-vector product, so memory is read
-about once (4 bytes a word); on CUDA, which has no integer product, the rows are widened whole (read 4, written 8
-bytes a word), the products written and read once more and summed: about 36 bytes of traffic a 32-bit word, 9 times
-the weights' bytes (``benchmarks.weight_check`` measures it).
+CUDA has no such hash in torch: there a tensor's bytes are read as 32-bit words, laid in rows of :data:`ROW` words
+(each tensor padded to whole rows, so that a row belongs to one tensor). Each row's digest is the sum of its words
+times random odd 64-bit weights; the tensor's, the sum of its rows' digests times random odd weights of the rows'
+places; all modulo 2**64 (integer arithmetic wraps: exact, and independent of the reduction's order). A change of
+one word by ``d`` (``0 < |d| < 2**32``) moves its row's digest by ``d * w``, never 0 modulo 2**64 for an odd ``w``,
+and the row's change moves the tensor's by a nonzero multiple of an odd weight: a single changed word is always
+seen. Several changes cancel only where the random weights satisfy an equation: a change of the words' top bits
+``2**31 * s_k`` only where ``sum(s_k w_k)`` is 0 modulo 2**33, at odds near 2**-33. The small tensors' bytes are
+copied into rows (in buckets of :data:`BUCKET` bytes; a tensor of whole rows from :data:`IN_PLACE` bytes is read
+where it lies), widened to 64-bit words (read 4, written 8 bytes a word), the products written and read once more
+and summed: about 36 bytes of traffic a 32-bit word, 9 times the weights' bytes (``benchmarks.weight_check``
+measures it).
 """
 from __future__ import annotations
 
@@ -29,7 +29,6 @@ import torch
 ROW = 256  # 32-bit words a row
 BUCKET = 1 << 28  # bytes copied into rows at once at most (a larger tensor alone)
 IN_PLACE = 1 << 16  # bytes from which a tensor of whole rows is read where it lies
-CHUNK = 256  # rows widened at once on the CPU: 512 KiB of 64-bit words
 # Bytes of memory traffic a digest moves per byte of weights (tensors of whole rows, read where they lie), by device
 TRAFFIC = {"cpu": 1, "cuda": 9}
 
@@ -38,11 +37,11 @@ class Unreadable(Exception):
     """A tensor whose storage does not hold its values (a framework freed it, as FSDP resharding does)."""
 
 
-def digest(tensors: list[torch.Tensor]) -> torch.Tensor:
+def digest(tensors: list[torch.Tensor], weighted: bool = False) -> torch.Tensor:
     """One int64 per tensor of ``tensors`` (on the first one's device), equal for two lists exactly when their
     values are (but for the odds above). A sharded DTensor is read by its local shard, a DeepSpeed ZeRO-3 parameter
     by its partition; tensors on several devices are digested on each. Raises :class:`Unreadable` for a tensor with
-    no storage behind its values."""
+    no storage behind its values. ``weighted``: by CUDA's weighted sums on the CPU too (tested there)."""
     flats = [_bytes(t) for t in tensors]
     if not flats:
         return torch.zeros(0, dtype=torch.int64, device="cpu")
@@ -50,19 +49,29 @@ def digest(tensors: list[torch.Tensor]) -> torch.Tensor:
     for i, flat in enumerate(flats):
         by_device.setdefault(flat.device, []).append(i)
     if len(by_device) == 1:
-        return _on_one_device(flats, flats[0].device)
+        return _on_one_device(flats, flats[0].device, weighted)
     out = torch.zeros(len(flats), dtype=torch.int64, device=flats[0].device)
     for device, indices in by_device.items():
-        part = _on_one_device([flats[i] for i in indices], device).to(out.device)
+        part = _on_one_device([flats[i] for i in indices], device, weighted).to(out.device)
         out.index_copy_(0, torch.tensor(indices, device=out.device), part)
     return out
 
 
-def _on_one_device(flats: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+def _on_one_device(flats: list[torch.Tensor], device: torch.device, weighted: bool) -> torch.Tensor:
+    if device.type == "cpu" and not weighted:
+        return _hashed(flats)
     layout = _layout(tuple(f.numel() for f in flats), device)
     sums = torch.cat([_row_sums(rows) for rows in _rows(flats, layout.pads, device)])
     return torch.zeros(len(flats), dtype=torch.int64, device=device).index_add_(0, layout.owner,
                                                                                 sums.mul_(layout.places))
+
+
+def _hashed(flats: list[torch.Tensor]) -> torch.Tensor:
+    """XXH3-64 of each CPU tensor's bytes, read where they lie, as int64."""
+    import xxhash  # imported with the first digest, not with leancompile
+
+    hashes = [xxhash.xxh3_64_intdigest(flat.numpy()) for flat in flats]
+    return torch.tensor([h - (1 << 64) if h >> 63 else h for h in hashes], dtype=torch.int64)
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
@@ -112,17 +121,8 @@ def _joined(pieces: list[torch.Tensor]) -> torch.Tensor:
 
 
 def _row_sums(rows: torch.Tensor) -> torch.Tensor:
-    """Each row's words times the row weights, summed modulo 2**64. On the CPU the rows are widened to 64 bits
-    :data:`CHUNK` rows at a time into one buffer that stays in the core's cache, so that memory is read once."""
-    weights = _weights(ROW, rows.device, seed=0)
-    if rows.device.type != "cpu":
-        return rows.to(torch.int64).mul_(weights).sum(dim=1)
-    sums = torch.empty(rows.shape[0], dtype=torch.int64, device=rows.device)
-    wide = torch.empty((min(CHUNK, rows.shape[0]), ROW), dtype=torch.int64, device=rows.device)
-    for start in range(0, rows.shape[0], CHUNK):
-        part = rows[start:start + CHUNK]
-        torch.mv(wide[:len(part)].copy_(part), weights, out=sums[start:start + len(part)])
-    return sums
+    """Each row's words times the row weights, summed modulo 2**64."""
+    return rows.to(torch.int64).mul_(_weights(ROW, rows.device, seed=0)).sum(dim=1)
 
 
 class _Layout:

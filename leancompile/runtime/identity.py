@@ -7,7 +7,7 @@ state is the same: every parameter and buffer unmodified (version counters, froz
 submodule's training flag, each LoRA layer's adapters enabled or not, which parameters require grad, each weight's
 dtype, every submodule's plain attributes (numbers, strings, and lists or dicts of them: a norm's epsilon, a LoRA
 layer's active adapter, scaling and merged adapters), the forward and backward hooks registered on each submodule
-and globally, and the autocast state of the call's device. An exact digest of every weight's values
+and globally, and the autocast state of the call's device. A digest of every weight's values
 (:mod:`.digest`), taken per kept call and compared per answer, also catches writes that move no version counter
 (through ``.data``, ``set_``, another alias). Random operators are refused where the call is compiled.
 """
@@ -214,7 +214,7 @@ class StateReader:
         return self.versions(), None if values is None else tuple(values.tolist())
 
     def digest(self) -> torch.Tensor | None:
-        """The exact digest of every weight's values (one int64 per tensor); None where a tensor's storage holds no
+        """The digest of every weight's values (one int64 per tensor); None where a tensor's storage holds no
         values (freed by a framework), so that nothing is answered by comparing it."""
         return _readable_digest([t for _, t in self.digested])
 

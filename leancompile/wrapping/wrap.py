@@ -70,7 +70,7 @@ def wrap(module: torch.nn.Module, schedule: str = "retain", memory_limit: int | 
             steps after the rollout).
         strict: raise :class:`NothingServedError` where the warning :class:`NothingServedWarning` would be given
             (an optimizer step after calls with grad none of which was served), e.g. in CI.
-        verify: ``"values"``: every answer (a served call, a served value) compares an exact digest of the weights'
+        verify: ``"values"``: every answer (a served call, a served value) compares a digest of the weights'
             values with the one its kept call was made with (:mod:`leancompile.runtime.digest`: every write is
             seen, through ``.data`` or an alias too; it reads the weights once per kept call and per answer).
             ``"versions"``: their version counters alone, which trusts that nothing writes the weights through
