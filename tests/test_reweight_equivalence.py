@@ -135,19 +135,22 @@ def test_a_batch_dependent_reward_stays_exact():
     assert _relative(g_native[0], g_reweight[0]) <= 1e-10
 
 
-@pytest.mark.parametrize("lora", [4, None])
-def test_per_row_gradients_of_every_parameter_match_one_backward_per_row(lora):
+@pytest.mark.parametrize("lora,rows", [(4, 5), (None, 5), (None, 1)])
+def test_per_row_gradients_of_every_parameter_match_one_backward_per_row(lora, rows):
     """One backward of the per-row backbone gives every row's gradient of every trainable parameter (LoRA's, and
-    in full fine-tuning norms, biases, embeddings and the patch embedding too)."""
+    in full fine-tuning norms, biases, embeddings and the patch embedding too); asked for factors, a linear
+    layer's where they are smaller (the one-token adaLN and time-embedding linears at least), whose product is the
+    same gradient."""
+    from leancompile.passes.meta import FACTORED
     from leancompile.runtime.calls import Call
     from leancompile.runtime.identity import StateReader
-    from leancompile.runtime.rowwise import RowwiseBackbone
+    from leancompile.runtime.rowwise import Factors, RowwiseBackbone
 
     trainer = _build("flux", FlowGRPOConfig(dtype="float64", lora_rank=lora))
     backbone = trainer.backbone
-    x = torch.randn(5, *backbone.latent_shape, dtype=torch.float64)
-    sigma = torch.rand(5, dtype=torch.float64)
-    cond = trainer.encode([1, 2, 3, 1, 2]).to(dtype=torch.float64)
+    x = torch.randn(rows, *backbone.latent_shape, dtype=torch.float64)
+    sigma = torch.rand(rows, dtype=torch.float64)
+    cond = trainer.encode([1, 2, 3, 1, 2][:rows]).to(dtype=torch.float64)
     rowwise = RowwiseBackbone(backbone)
     call = Call.of((x, sigma, cond), {})
     key = StateReader(backbone).read(call).compile_key
@@ -157,7 +160,18 @@ def test_per_row_gradients_of_every_parameter_match_one_backward_per_row(lora):
     params = rowwise.trainable(key)
     assert len(params) == len(trainer.trainable)
     per_row = rowwise.backward(key, saved, cotangent, per_row=True)
-    for i in range(5):
+    factored = rowwise.backward(key, saved, cotangent, per_row=True, factors=True)
+    output = next(iter(rowwise.backward_graph.graph.find_nodes(op="output")))
+    positions = [i for i, g in enumerate(factored) if isinstance(g, Factors)]
+    names = [n for n, p in backbone.named_parameters() if p.requires_grad]
+    assert positions == list(output.meta.get(FACTORED, ()))
+    if lora is None:  # every one-token linear's weight: the blocks' adaLN modulations, the time embedding's
+        one_token = {n for n in names if n.endswith(("norm1.linear.weight", "linear_1.weight"))}
+        assert len(one_token) >= 3 and {names[i] for i in positions} >= one_token
+    for i in range(rows):
         one = backbone(x[i:i + 1], sigma[i:i + 1], cond.index(slice(i, i + 1)))
-        for g, expected in zip(per_row, torch.autograd.grad(one, params, cotangent[i:i + 1])):
-            torch.testing.assert_close(g[i], expected, rtol=1e-9, atol=1e-12)
+        expected = torch.autograd.grad(one, params, cotangent[i:i + 1])
+        for g, f, e in zip(per_row, factored, expected):
+            torch.testing.assert_close(g[i], e, rtol=1e-9, atol=1e-12)
+            torch.testing.assert_close(f.left[i] @ f.right[i] if isinstance(f, Factors) else f[i], e,
+                                       rtol=1e-9, atol=1e-12)

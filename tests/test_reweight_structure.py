@@ -134,7 +134,8 @@ def test_the_per_row_backward_keeps_a_gradient_row_per_row_and_retain_sums_them(
 def test_a_served_calls_gradient_combines_exactly_the_rows_it_was_found_at(data):
     """However the served rows lie among the kept calls' rows (a shuffled micro-batch, a few rows far apart, rows of
     two kept calls), each parameter's gradient is the sum over the served rows and cotangents of the coefficient
-    times that row's provisional gradient, in float64 to rounding, and no other kept row contributes."""
+    times that row's provisional gradient (kept whole or as factors), in float64 to rounding, and no other kept
+    row contributes."""
     from types import SimpleNamespace
 
     import torch
@@ -142,13 +143,21 @@ def test_a_served_calls_gradient_combines_exactly_the_rows_it_was_found_at(data)
     from leancompile.runtime.reweight import ProvisionalRows, Reweight
     from leancompile.runtime.store import KeptCall, Match
 
+    from leancompile.runtime.rowwise import Factors
+
     generator = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16)))
     shapes, k = [(3, 5), (7,), (2, 2, 2)], data.draw(st.integers(1, 2))
+    randn = lambda *shape: torch.randn(shape, generator=generator, dtype=torch.float64)
     kept = []
     for _ in range(data.draw(st.integers(1, 2))):
         rows = data.draw(st.integers(1, 12))
-        gradients = [tuple(torch.randn((rows, *shape), generator=generator, dtype=torch.float64) for _ in range(k))
-                     for shape in shapes]
+        gradients = [tuple(randn(rows, *shape) for _ in range(k)) for shape in shapes]
+        # the (3, 5) weight's as factors over 1 or 2 tokens: the bases share the right side (a layer's input), the
+        # left side, or neither
+        tokens, shared = data.draw(st.integers(1, 2)), data.draw(st.sampled_from(["right", "left", "none"]))
+        left, right = randn(rows, 3, tokens), randn(rows, tokens, 5)
+        gradients.append(tuple(Factors(left if shared == "left" else randn(rows, 3, tokens),
+                                       right if shared == "right" else randn(rows, tokens, 5)) for _ in range(k)))
         provisional = ProvisionalRows(None, gradients, torch.zeros(rows, dtype=torch.bool))
         kept.append(KeptCall(None, (), (), rows=provisional))
     every = [(call, row) for call in kept for row in range(len(call.rows.used))]
@@ -156,7 +165,8 @@ def test_a_served_calls_gradient_combines_exactly_the_rows_it_was_found_at(data)
     coefficients = torch.randn((len(places), k), generator=generator, dtype=torch.float64)
     grads = Reweight().gradients(None, Match(tuple(places)), torch.zeros(len(places)),
                                  context=SimpleNamespace(values=coefficients))
+    dense = lambda g, row: g.left[row] @ g.right[row] if isinstance(g, Factors) else g[row]
     for i, grad in enumerate(grads):
-        expected = sum(coefficients[p, b] * call.rows.gradients[i][b][row]
+        expected = sum(coefficients[p, b] * dense(call.rows.gradients[i][b], row)
                        for p, (call, row) in enumerate(places) for b in range(k))
         torch.testing.assert_close(grad, expected, rtol=1e-12, atol=1e-12)

@@ -14,6 +14,10 @@ MATMUL_ORDER = "leancompile.matmul_order"  # mm / bmm -> ProductTiming: seconds 
 LINEARITY = "leancompile.linearity"  # Linear, on update nodes that depend on the advantages
 PROVISIONAL = "leancompile.provisional"  # Provisional: the part of Reweight's rollout the node belongs to
 PARAMETER = "leancompile.parameter"  # a provisional gradient output -> the name of its weight
+FACTORS = "leancompile.factors"  # a per-row backward's output node -> how many leading outputs are weights' gradients
+# that may be returned as their factors (set before the passes); after keep_products_as_factors, FACTORED -> the
+# positions of those it returns so
+FACTORED = "leancompile.factored"
 CASTS = "leancompile.casts"  # a data placeholder -> CastReads: read only through casts to one dtype, or why not
 
 
@@ -27,6 +31,7 @@ class Rewrite(str, enum.Enum):
     FOLDED = "folded per-row calls"  # ROWS per-row calls of one operator as one call
     SUMMED = "sum over rows of products as one product"  # a weight gradient over ROWS rows as one mm
     FUSED = "bias fused into its product"  # vmap's mm + bias made eager's addmm again
+    FACTOR = "a factor of a per-row product returned in its place"  # keep_products_as_factors
 
     def __str__(self) -> str:
         return self.value

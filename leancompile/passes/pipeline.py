@@ -28,7 +28,7 @@ from .eager_bits import fuse_biases_into_products
 from .identities import drop_copies_of_unshared_values, drop_multiplications_by_one, fold_views
 from .inplace import write_scatters_in_place
 from .matmul_order import order_matrix_products
-from .rowwise import fold_per_row_calls, prepare_for_rows, sum_products_over_rows
+from .rowwise import fold_per_row_calls, keep_products_as_factors, prepare_for_rows, sum_products_over_rows
 
 
 @dataclass(frozen=True)
@@ -57,6 +57,7 @@ ONE_ROW_PARTITION = (
     Pass(prepare_for_rows),
 )
 TRACED_ROWS = (
+    Pass(keep_products_as_factors, backward_only=True),
     Pass(fuse_biases_into_products),
     Pass(fold_per_row_calls, new_values=True),
     Pass(sum_products_over_rows, new_values=True),

@@ -21,7 +21,9 @@ import operator
 import torch
 import torch.fx as fx
 
-from .meta import REWRITE, ROWS, Rewrite
+from torch.utils import _pytree as pytree
+
+from .meta import FACTORED, FACTORS, REWRITE, ROWS, Rewrite
 
 aten = torch.ops.aten
 _VIEWS = (aten.view.default, aten._unsafe_view.default)
@@ -248,3 +250,71 @@ def _sum_of_product(graph: fx.Graph, total: fx.Node) -> int:
     total.replace_all_uses_with(value)
     graph.erase_node(total)
     return 1
+
+
+def keep_products_as_factors(gm: fx.GraphModule) -> int:
+    """Return each per-row weight gradient that is a product of two smaller factors as the pair of factors.
+
+    Reweight keeps every row's gradient of every trainable weight until an update call combines them with its
+    coefficients (:mod:`leancompile.runtime.reweight`). A linear layer's per-row gradient is a product ``a_r @ b_r``
+    over the row's tokens, ``(R, m, k) @ (R, k, n)``; where its factors hold fewer values than it, ``k (m + n) < m
+    n`` (a one-token linear such as the adaLN modulation, ``k = 1``), the graph returns the factors instead: the
+    rollout skips the product and writes ``k (m + n)`` values a row, not ``m n``, and the combination ``sum_r w_r
+    a_r @ b_r`` is one product over ``R k`` (the update's own weight gradient)::
+
+        %g = bmm(%a, %b)                  ->  output [..., (%a, %b), ...]
+        %g = unsqueeze(mm(%a, %b), 0)     ->  output [..., (unsqueeze(%a, 0), unsqueeze(%b, 0)), ...]   (one row)
+
+    Only the leading outputs the output node's ``FACTORS`` counts are considered (set where the caller combines
+    factors); ``FACTORED`` records the positions returned so."""
+    output = next(iter(gm.graph.find_nodes(op="output")))
+    count = output.meta.get(FACTORS, 0)
+    codegen = gm.graph._codegen
+    info = getattr(codegen, "pytree_info", None)
+    if not count or info is None or info.out_spec is None:
+        return 0
+    results = pytree.tree_unflatten(list(output.args[0]), info.out_spec)
+    factored = []
+    for i, node in enumerate(results[:count]):
+        factors = _factors(gm.graph, node)
+        if factors is not None:
+            results[i] = factors
+            factored.append(i)
+    if not factored:
+        return 0
+    leaves, spec = pytree.tree_flatten(results)
+    output.args = (leaves,)
+    codegen.pytree_info = info._replace(out_spec=spec)
+    output.meta[FACTORED] = tuple(factored)
+    gm.graph.eliminate_dead_code()
+    return len(factored)
+
+
+def _factors(graph: fx.Graph, node) -> tuple[fx.Node, fx.Node] | None:
+    """``(a, b)`` where ``node`` is the per-row product ``bmm(a, b)`` (or ``unsqueeze(mm(a, b), 0)``), behind views
+    that keep its shape, whose factors hold fewer values than it; else None."""
+    node = _unviewed(node)
+    one_row = isinstance(node, fx.Node) and node.target is aten.unsqueeze.default and node.args[1] == 0
+    product = _unviewed(node.args[0]) if one_row else node
+    if not isinstance(product, fx.Node) or product.target is not (aten.mm.default if one_row else aten.bmm.default):
+        return None
+    a, b = product.args
+    m, k = a.meta["val"].shape[-2:]
+    n = b.meta["val"].shape[-1]
+    if k * (m + n) >= m * n:
+        return None
+    if one_row:
+        with graph.inserting_before(node):
+            a, b = (graph.call_function(aten.unsqueeze.default, (x, 0)) for x in (a, b))
+        for x in (a, b):
+            x.meta["val"] = x.args[0].meta["val"].unsqueeze(0)
+            x.meta[REWRITE] = Rewrite.FACTOR
+    return a, b
+
+
+def _unviewed(node):
+    """``node`` behind the views (``view``, ``_unsafe_view``, ``reshape``) that keep its shape."""
+    while isinstance(node, fx.Node) and node.op == "call_function" and node.target in _ROW_VIEWS \
+            and "val" in node.meta and node.meta["val"].shape == node.args[0].meta["val"].shape:
+        node = node.args[0]
+    return node

@@ -26,6 +26,7 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..plan import StepAction
+from .rowwise import Factors
 from .schedule_runtime import ScheduleRuntime
 from .store import Found, KeptCall, Match
 
@@ -37,7 +38,8 @@ class ProvisionalRows:
     # (rows, k, *output) the provisional cotangents backpropagated (None per block: a block's coefficients are found
     # at the backbone's output, see runtime.reweight_blocks.Coefficients)
     cotangents: torch.Tensor | None
-    gradients: list[tuple[torch.Tensor, ...]]  # per trainable parameter, per cotangent: (rows, *shape)
+    # per trainable parameter, per cotangent: (rows, *shape), or a linear layer's as its Factors where smaller
+    gradients: list[tuple[torch.Tensor | Factors, ...]]
     used: torch.Tensor  # (rows,) bool: served to a call with grad already
     # per position among the call's tensors (a block's inputs), per cotangent: each row's input gradient
     inputs: dict[int, tuple[torch.Tensor, ...]] = field(default_factory=dict)
@@ -55,7 +57,9 @@ class ProvisionalRows:
         # (full fine-tuning under FlowGRPO's KL: most of the step's time)
         held = (kept.rows.cotangents, *(g for per_basis in kept.rows.gradients for g in per_basis),
                 *(g for per_basis in kept.rows.inputs.values() for g in per_basis))
-        nbytes = sum(t.numel() * t.element_size() for t in held if t is not None)
+        tensors = (t for g in held if g is not None for t in ((g.left, g.right) if isinstance(g, Factors) else (g,)))
+        # by storage: factors share theirs (a layer's input is the right factor of each basis, of q, k and v alike)
+        nbytes = sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
         engine.store.count(nbytes - kept.nbytes)
         kept.nbytes = nbytes
 
@@ -157,7 +161,8 @@ class Reweight(ScheduleRuntime):
             if not any(bool(b.any()) for b in basis):
                 untouched.append(kept)
                 continue
-            grads = [kept.rowwise.backward(kept.key, kept.rows, c.to(kept.output.dtype), per_row=True) for c in basis]
+            grads = [kept.rowwise.backward(kept.key, kept.rows, c.to(kept.output.dtype), per_row=True, factors=True)
+                     for c in basis]
             ProvisionalRows.settle(engine, kept, basis, grads, precision=precision)
         engine.forget(untouched)
 
@@ -191,23 +196,32 @@ class Reweight(ScheduleRuntime):
             if coefficients is None:
                 return None
         # Each parameter's gradient is a matrix-vector product over the rows' provisional gradients, read in place
-        # (gathering them first copied every row twice), one per stretch of kept rows (see _stretches)
-        runs, offset = [], 0
+        # (gathering them first copied every row twice), one per stretch of kept rows (see _stretches); one product
+        # over the rows' tokens where they are kept as factors
+        runs, offset, by_group = [], 0, []
         for provisional, index, _ in groups:
             weights = coefficients[offset:offset + len(index)]
             offset += len(index)
+            by_group.append(weights)
             runs += [(provisional, start, stop, _InDtypes(w.t())) for start, stop, w in _stretches(index, weights)]
         grads = []
         for i in range(len(groups[0][0].gradients)):
             total = None
+            for (provisional, index, _), weights in zip(groups, by_group):
+                if any(isinstance(g, Factors) for g in provisional.gradients[i]):
+                    product = _combined(provisional.gradients[i], index, weights)
+                    total = product if total is None else total.add_(product)
             for provisional, start, stop, weights in runs:
                 for k, basis_rows in enumerate(provisional.gradients[i]):
-                    if basis_rows is None:  # a head that did not reach this block call
+                    if basis_rows is None or isinstance(basis_rows, Factors):  # a head that did not reach it
                         continue
                     rows = basis_rows[start:stop]  # (run, *shape)
                     matrix, vector = rows.reshape(stop - start, -1).t(), weights.of(rows.dtype)[k]
-                    total = torch.mv(matrix, vector) if total is None else total.addmv_(matrix, vector)
-            grads.append(total.view(rows.shape[1:]))
+                    if total is None:
+                        total = torch.mv(matrix, vector).view(rows.shape[1:])
+                    else:
+                        total.view(-1).addmv_(matrix, vector)
+            grads.append(total)
         for i in inputs:  # each row's input gradient: its own combination, placed at its row of the call
             if not all(i in provisional.inputs for provisional, _, _ in groups):
                 return None  # the rollout's heads did not reach this input: recompute
@@ -237,6 +251,29 @@ def in_span(basis: torch.Tensor, cotangent: torch.Tensor, precision: torch.dtype
     if not bool((residual.norm(dim=1) <= tolerance * g.norm(dim=1)).all()):
         return None
     return coefficients
+
+
+def _combined(per_basis: tuple[Factors | None, ...], index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """``sum_k sum_r weights[r, k] left_k[r] @ right_k[r]`` over the kept rows ``index``: one product over their
+    tokens. A side the bases share (the layer's input, the same tensor in each) is read once, the other side
+    combined first."""
+    terms = [(f, w) for f, w in zip(per_basis, weights.t()) if f is not None]
+    scaled = lambda side, f, w: getattr(f, side).index_select(0, index) * w.to(f.left.dtype).view(-1, 1, 1)
+    first = terms[0][0]
+    if all(_same_memory(f.right, first.right) for f, _ in terms):
+        left, right = sum(scaled("left", f, w) for f, w in terms), first.right.index_select(0, index)
+    elif all(_same_memory(f.left, first.left) for f, _ in terms):
+        left, right = first.left.index_select(0, index), sum(scaled("right", f, w) for f, w in terms)
+    else:
+        left = torch.cat([scaled("left", f, w) for f, w in terms])
+        right = torch.cat([f.right.index_select(0, index) for f, _ in terms])
+    rows, m, k = left.shape
+    return left.transpose(0, 1).reshape(m, rows * k) @ right.reshape(rows * k, right.shape[2])
+
+
+def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` read the same memory the same way (the same kept tensor, or views of it alike)."""
+    return (a.data_ptr(), a.shape, a.stride(), a.dtype) == (b.data_ptr(), b.shape, b.stride(), b.dtype)
 
 
 def _stretches(index: torch.Tensor, weights: torch.Tensor) -> list[tuple[int, int, torch.Tensor]]:

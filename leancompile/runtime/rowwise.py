@@ -32,6 +32,7 @@ from ..backbones.plain import parameters_by_name
 from ..passes import pipeline
 from ..passes.eager_bits import EAGER_DECOMPOSITIONS, keeping_whole
 from ..passes.graph import reading_data
+from ..passes.meta import FACTORS
 from ..passes.rowwise import random_operators
 from . import program_cache
 from .calls import Call, OutputLayout, output_layout
@@ -58,6 +59,18 @@ class RowProgram:
     # kept call holds activations only (under FSDP2 a gathered weight's storage is freed after its block)
     weight_saved: torch.fx.GraphModule | None = None
     failed: bool = False  # the refusal is an error raised while compiling, not what the call returns
+
+
+@dataclass(frozen=True)
+class Factors:
+    """A weight's per-row gradients kept as two factors: row ``r``'s is ``left[r] @ right[r]``, ``(m, k) @ (k, n)``
+    (see :func:`leancompile.passes.rowwise.keep_products_as_factors`)."""
+
+    left: torch.Tensor  # (rows, m, k)
+    right: torch.Tensor  # (rows, k, n)
+
+    def index_select(self, rows: torch.Tensor) -> "Factors":
+        return Factors(self.left.index_select(0, rows), self.right.index_select(0, rows))
 
 
 class NotRowLaid(ValueError):
@@ -244,6 +257,8 @@ class RowwiseBackbone:
         return program_cache.rebuild(entry["graph"])
 
     def _trace(self, shared: tuple, key: tuple, fn, args, forward: bool) -> torch.fx.GraphModule:
+        """``fn`` traced on ``args`` and its pipeline run; a backward's ``key`` is ``(program, rows, per_row,
+        factors)``."""
         # Kernels without a batching rule (the CPU attention kernels) trace as one call per row, which
         # fold_per_row_calls folds back into one. PyTorch warns about it; it is expected here.
         device = args[-1].device  # the last data input (forward) or the cotangent (backward)
@@ -254,9 +269,12 @@ class RowwiseBackbone:
         with torch.autocast(device.type, enabled=False), _quiet_vmap_fallback(), grad, \
                 restored_on_failure(*self._modules()):
             gm = make_fx(fn, EAGER_DECOMPOSITIONS, tracing_mode="fake")(*args)
+        if not forward and key[3]:  # the weights' per-row gradients may come back as factors
+            next(iter(gm.graph.find_nodes(op="output"))).meta[FACTORS] = len(self._programs[key[0]].trainable)
         recorded = len(self.history.records)
         name = (f"{'forward' if forward else 'backward'} over {key[1]} rows"
-                + (", gradients per row" if not forward and key[2] else ""))
+                + (", gradients per row" if not forward and key[2] else "")
+                + (" or as factors" if not forward and key[3] else ""))
         pipeline.run(pipeline.TRACED_ROWS, gm, name, self.history, forward, self.tune_matmuls)
         _store(program_cache.key("rows", shared, forward),
                lambda: {"graph": program_cache.dump(gm), "history": self.history.records[recorded:]})
@@ -289,10 +307,11 @@ class RowwiseBackbone:
         return output.squeeze(1), [t for t, row in zip(saved, program.per_row) if row]
 
     def backward(self, key: tuple, saved: list[torch.Tensor], cotangent: torch.Tensor,
-                 per_row: bool = False) -> list[torch.Tensor]:
+                 per_row: bool = False, factors: bool = False) -> list:
         """Gradients of the program's trainable parameters for the rows ``saved`` (the per-row saved tensors)
-        holds, given the output's ``cotangent``: summed over the rows, or ``(rows, *shape)`` each when ``per_row``;
-        then, per row, those of the inputs at ``input_grads``."""
+        holds, given the output's ``cotangent``: summed over the rows, or ``(rows, *shape)`` each when ``per_row``
+        (with ``factors``, a linear layer's as :class:`Factors` where those are smaller); then, per row, those of
+        the inputs at ``input_grads``."""
         program = self._programs[key]
         bw, in_dims = program.backward, (*(0 if r else None for r in program.per_row), 0)
         params = len(program.trainable)
@@ -310,10 +329,11 @@ class RowwiseBackbone:
         rows_saved = iter(saved)
         weight_saved = iter(self._weight_saved(key))
         saved = [next(rows_saved) if row else next(weight_saved) for row in program.per_row]
-        gm = self._traced(self._backwards, (key, cotangent.shape[0], per_row), rows, (saved, cotangent))
+        gm = self._traced(self._backwards, (key, cotangent.shape[0], per_row, per_row and factors), rows,
+                          (saved, cotangent))
         self.backward_graph = gm
         with torch.no_grad(), torch.autocast(cotangent.device.type, enabled=False):
-            return gm(saved, cotangent)
+            return [Factors(*g) if isinstance(g, tuple) else g for g in gm(saved, cotangent)]
 
     def _weight_saved(self, key: tuple) -> list[torch.Tensor]:
         """The saved tensors of program ``key`` computed from the weights alone, from the current weights (kept
