@@ -16,6 +16,7 @@ from leancompile.cost.planner import describe_steps
 from leancompile.cost.workload import FlopCounter
 from leancompile.plan import Action
 from leancompile.runtime.calls import Call
+from leancompile.runtime.engine import no_stats
 from leancompile.runtime.identity import StateReader, row_keys
 from leancompile.tasks.synthetic import RandomPrompts
 from leancompile.trainers import trainer_class
@@ -211,7 +212,8 @@ def measure_case(case: Case, repetitions: int, schedules: tuple[str, ...] = ("re
     rows = []
     for schedule in schedules:
         source = timed_as[schedule]
-        optimized, s, plan = timed[source], stats[source], programs[schedule].plan
+        # auto settled on native: its row reads the native trainer's step, which has no engine's statistics
+        optimized, s, plan = timed[source], {**no_stats(), **stats[source]}, programs[schedule].plan
         row = {"backbone": case.backbone, "trainer": case.trainer, "tuning": case.tuning, "schedule": schedule,
                "runs": plan.schedule, "timed_as": source,
                # auto: the program it runs and its action per trained step

@@ -453,8 +453,15 @@ def _reweight_at(m: StepModel, fraction: float) -> Estimate:
     sympy, _, TOKENS, _, _ = _memory_model()
     s, g, cfg = m.scenario, m.geometry, m.scenario.config
     backwards = 1 + s.advantage_free  # one per-row backward per provisional cotangent
-    buffer = s.trainable_params * s.trainable_bytes  # per-sample gradients are whole, also under FSDP2
+    per_block = m.per_block and reweight_per_block(cfg)
     count = s.buffers if s.buffers is not None else g.window_samples * (1 + s.advantage_free)
+    # One per-row gradient per buffer, whole (also under FSDP2); a whole call's keeps a linear weight's as its
+    # factors where those are smaller (passes.rowwise), the input's side once per row for every cotangent
+    p, factor_bytes = s.profile, s.compute_dtype.itemsize
+    factored = 0 if per_block else p.factored_params
+    buffer = (s.trainable_params - factored) * s.trainable_bytes + (factored > 0) * p.factors_per_cotangent * \
+        factor_bytes
+    inputs = (factored > 0) * (count // backwards) * p.factors_per_row * factor_bytes
     trained = g.window_samples * cfg.num_trained_steps
     segments = 2 if cfg.use_cfg else 1
     kept = 2 * trained * (segments + (cfg.beta > 0)) * s.latent_bytes
@@ -471,9 +478,8 @@ def _reweight_at(m: StepModel, fraction: float) -> Estimate:
                     + s.profile.backward.total_flops * (1 - backwards))
         - (1 - fraction) * s.profile.forward.total_flops)
     # each buffer's row keeps the cotangent it was made from (one output row), to find its coefficients
-    held = {"gradient buffers": int(fraction * count * buffer), "provisional cotangents": count * s.latent_bytes,
-            "kept outputs": kept}
-    per_block = m.per_block and reweight_per_block(cfg)
+    held = {"gradient buffers": int(fraction * (count * buffer + inputs)),
+            "provisional cotangents": count * s.latent_bytes, "kept outputs": kept}
     if per_block:  # (runtime.regional): no whole weights; each buffer's row also keeps, at every block, its
         # inputs' gradients (the size of the blocks' inputs, what checkpointing keeps)
         per_row = sympy.Rational(s.profile.checkpoint_bytes, s.profile.tokens) * TOKENS

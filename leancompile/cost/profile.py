@@ -41,6 +41,12 @@ class CallProfile:
     blocks: int  # transformer blocks (checkpointing recomputes one at a time)
     forward: Workload  # forward with grad (the rollout's no-grad forward runs the same operators)
     backward: Workload
+    # Reweight's per-row gradients of the trainable linear weights it keeps as two factors (those whose factors are
+    # smaller, passes.rowwise.keep_products_as_factors): their elements, and the factors' per cotangent (the
+    # output's side) and per row (the input's side, shared by the layers reading one input)
+    factored_params: int
+    factors_per_cotangent: int
+    factors_per_row: int
     # Traced when a partial retention is first priced (a partition per budget: the whole call's, each block's)
     measure_budget: Callable[[float], int] = field(compare=False, repr=False)
     measure_block_budget: Callable[[float], int] = field(compare=False, repr=False)
@@ -102,7 +108,8 @@ def profile_call(backbone, autocast: torch.dtype | None = None, device_type: str
                        for kind, call in kinds.items())
 
     return CallProfile(_tokens(fake), total.retained, total.eager, total.checkpoint, total.per_block, blocks,
-                       total.forward, total.backward, measure_budget, measure_block_budget)
+                       total.forward, total.backward, total.factored, total.per_cotangent, total.per_row,
+                       measure_budget, measure_block_budget)
 
 
 @dataclass(frozen=True)
@@ -113,6 +120,9 @@ class _Measured:
     per_block: int
     forward: Workload
     backward: Workload
+    factored: int
+    per_cotangent: int
+    per_row: int
 
     def __add__(self, other):
         return _Measured(*(a + b for a, b in zip(self._fields(), other._fields())))
@@ -124,7 +134,8 @@ class _Measured:
         return _Measured(*(a * times for a in self._fields()))
 
     def _fields(self):
-        return self.retained, self.eager, self.checkpoint, self.per_block, self.forward, self.backward
+        return (self.retained, self.eager, self.checkpoint, self.per_block, self.forward, self.backward,
+                self.factored, self.per_cotangent, self.per_row)
 
 
 def _measure_call(fake, args, mode) -> _Measured:
@@ -132,7 +143,8 @@ def _measure_call(fake, args, mode) -> _Measured:
     counter = WorkloadCounter()
     eager = SavedBytes(frozenset(StorageWeakRef(t.untyped_storage()) for t in (*fake.parameters(), *fake.buffers())),
                        storage_key=lambda t: StorageWeakRef(t.untyped_storage()))
-    with _recording_blocks(fake) as block_calls, mode, counter, eager.counting():
+    with _recording_blocks(fake) as block_calls, _recording_linears(fake) as linears, mode, counter, \
+            eager.counting():
         out = fake(*args)
     forward = counter.workload()
     trainable = [p for p in fake.parameters() if p.requires_grad]
@@ -144,7 +156,36 @@ def _measure_call(fake, args, mode) -> _Measured:
         per_block = sum(_block_saved(block, a, kw, seen, fake.spec.block_shared) for seen in [{}]
                         for block, a, kw in block_calls)
     return _Measured(retained, eager.total, sum(_tensor_bytes(call[1:]) for call in block_calls), per_block,
-                     forward, counter.workload())
+                     forward, counter.workload(), *_factors(linears))
+
+
+@contextlib.contextmanager
+def _recording_linears(fake):
+    """Every call of a linear layer with a trainable weight: ``(layer, its input)``."""
+    calls = []
+    record = lambda layer, inputs, _: calls.append((layer, inputs[0]))
+    handles = [m.register_forward_hook(record) for m in fake.modules()
+               if isinstance(m, torch.nn.Linear) and m.weight.requires_grad]
+    try:
+        yield calls
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _factors(calls: list) -> tuple[int, int, int]:
+    """The weights' elements kept as factors, and the factors' elements per cotangent and per row: a layer called
+    once (one row, ``k`` tokens) whose factors are smaller, ``k (out + in) < out in``; the input side counted once
+    per input."""
+    once = collections.Counter(id(layer) for layer, _ in calls)
+    factored = per_cotangent = 0
+    inputs = {}
+    for layer, x in calls:
+        out, inp, k = layer.out_features, layer.in_features, x.numel() // max(x.shape[-1], 1)
+        if once[id(layer)] == 1 and k * (out + inp) < out * inp:
+            factored, per_cotangent = factored + out * inp, per_cotangent + out * k
+            inputs[id(x)] = k * inp
+    return factored, per_cotangent, sum(inputs.values())
 
 
 # ------------------------------------------------------------------------------------------------ fake model
