@@ -44,6 +44,12 @@ class ProvisionalRows:
     # per position among the call's tensors (a block's inputs), per cotangent: each row's input gradient
     inputs: dict[int, tuple[torch.Tensor, ...]] = field(default_factory=dict)
     precision: torch.dtype | None = None  # the coarsest the cotangents were computed in (None: their dtype)
+    # the parameters whose gradients are kept as Factors: their position -> the side their bases share
+    factored: dict[int, str | None] = field(init=False)
+
+    def __post_init__(self):
+        self.factored = {i: _shared_side(g) for i, g in enumerate(self.gradients)
+                         if any(isinstance(f, Factors) for f in g)}
 
     @classmethod
     def settle(cls, engine, kept: KeptCall, basis: list[torch.Tensor] | None, gradients: list[list],
@@ -202,14 +208,14 @@ class Reweight(ScheduleRuntime):
         for provisional, index, _ in groups:
             weights = coefficients[offset:offset + len(index)]
             offset += len(index)
-            by_group.append(weights)
+            by_group.append((provisional, index, _InDtypes(weights.t().unsqueeze(2).unsqueeze(3))))
             runs += [(provisional, start, stop, _InDtypes(w.t())) for start, stop, w in _stretches(index, weights)]
         grads = []
         for i in range(len(groups[0][0].gradients)):
             total = None
-            for (provisional, index, _), weights in zip(groups, by_group):
-                if any(isinstance(g, Factors) for g in provisional.gradients[i]):
-                    product = _combined(provisional.gradients[i], index, weights)
+            for provisional, index, weights in by_group:
+                if i in provisional.factored:
+                    product = _combined(provisional.gradients[i], provisional.factored[i], index, weights)
                     total = product if total is None else total.add_(product)
             for provisional, start, stop, weights in runs:
                 for k, basis_rows in enumerate(provisional.gradients[i]):
@@ -253,22 +259,38 @@ def in_span(basis: torch.Tensor, cotangent: torch.Tensor, precision: torch.dtype
     return coefficients
 
 
-def _combined(per_basis: tuple[Factors | None, ...], index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """``sum_k sum_r weights[r, k] left_k[r] @ right_k[r]`` over the kept rows ``index``: one product over their
-    tokens. A side the bases share (the layer's input, the same tensor in each) is read once, the other side
-    combined first."""
-    terms = [(f, w) for f, w in zip(per_basis, weights.t()) if f is not None]
-    scaled = lambda side, f, w: getattr(f, side).index_select(0, index) * w.to(f.left.dtype).view(-1, 1, 1)
-    first = terms[0][0]
-    if all(_same_memory(f.right, first.right) for f, _ in terms):
-        left, right = sum(scaled("left", f, w) for f, w in terms), first.right.index_select(0, index)
-    elif all(_same_memory(f.left, first.left) for f, _ in terms):
-        left, right = first.left.index_select(0, index), sum(scaled("right", f, w) for f, w in terms)
+def _combined(per_basis: tuple[Factors | None, ...], shared: str | None, index: torch.Tensor,
+              weights: "_InDtypes") -> torch.Tensor:
+    """``sum_k sum_r weights[k, r] left_k[r] @ right_k[r]`` over the kept rows ``index`` (``weights`` ``(k, rows, 1,
+    1)``): one product over their tokens. The side the bases share (``shared``: the layer's input, the same tensor
+    in each) is read once, the other combined first; each side is read as ``(rows, tokens, size)``, the layout
+    the backward made it in."""
+    first = next(f for f in per_basis if f is not None)
+    w = weights.of(first.left.dtype)
+    sides = [(k, f.left.transpose(1, 2), f.right) for k, f in enumerate(per_basis) if f is not None]
+    if shared is None:  # each basis its own pair: one product over the bases' tokens
+        a = torch.cat([side.index_select(0, index) * w[k] for k, side, _ in sides], 1)
+        b = torch.cat([right.index_select(0, index) for _, _, right in sides], 1)
     else:
-        left = torch.cat([scaled("left", f, w) for f, w in terms])
-        right = torch.cat([f.right.index_select(0, index) for f, _ in terms])
-    rows, m, k = left.shape
-    return left.transpose(0, 1).reshape(m, rows * k) @ right.reshape(rows * k, right.shape[2])
+        at = 1 if shared == "right" else 2  # the side combined
+        a, b = (None, first.right.index_select(0, index)) if shared == "right" else \
+            (first.left.transpose(1, 2).index_select(0, index), None)
+        combined = None
+        for k, *pair in sides:
+            side = pair[at - 1].index_select(0, index)
+            combined = side.mul_(w[k]) if combined is None else combined.addcmul_(side, w[k])
+        a, b = (combined, b) if a is None else (a, combined)
+    rows, tokens, m = a.shape
+    return a.reshape(rows * tokens, m).t() @ b.reshape(rows * tokens, b.shape[2])
+
+
+def _shared_side(per_basis: tuple[Factors | None, ...]) -> str | None:
+    """Which factor every basis of a parameter holds the same (``"right"``, ``"left"``; None: neither)."""
+    present = [f for f in per_basis if f is not None]
+    for side in ("right", "left"):
+        if all(_same_memory(getattr(f, side), getattr(present[0], side)) for f in present):
+            return side
+    return None
 
 
 def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:

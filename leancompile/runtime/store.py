@@ -129,11 +129,14 @@ class KeptCalls:
 
     def lookup(self, call: Call, keys: list, agree: ModesAgree,
                available: Callable[[KeptCall, int], bool] = lambda kept, row: True,
-               taken: Callable[[KeptCall, int], None] | None = None, state: CallState | None = None) -> Found:
+               taken: Callable[[KeptCall, int], None] | None = None, state: CallState | None = None,
+               values: bool = True) -> Found:
         """The kept rows that verifiably recompute ``call``'s rows (their digests ``keys``), or why not. The call's
         ``state`` is read, where not given, only once every row has a candidate. ``available``: whether a kept row
         may still serve (a lookup passes over one that cannot to an equal row of another kept call); ``taken``:
-        told of each row found, before the next row is looked up."""
+        told of each row found, before the next row is looked up. ``values``: the weights' values are compared too
+        (not for a provisional head's call: what it is answered only makes the basis its served calls' cotangents
+        are tested against, and each served call compares the values)."""
         if not self.calls:
             return Found(None, *self.empty())
         candidates = [self._index.get(key, ()) for key in keys]
@@ -142,7 +145,8 @@ class KeptCalls:
         state = state if state is not None else self.reader.read(call)
         if self.drop_stale(state):  # made with other weights: never matched again
             return Found(None, *self.empty())
-        weights = functools.cache(self.reader.digest)  # read once, where a kept call's state is the call's
+        # read once, where a kept call's state is the call's
+        weights = functools.cache(self.reader.digest) if values else None
         places, repeated = [], False
         differences: dict[str, str] = {}  # per kind of difference, the reason of the first kept call that differs so
         verdicts: dict[int, str | None] = {}  # per kept call (its rows share one state): its difference
@@ -181,9 +185,10 @@ class KeptCalls:
         return Found(match, repeated=repeated)
 
     def _difference(self, kept: KeptCall, state: CallState, call: Call, agree: ModesAgree,
-                    differences: dict[str, str], weights: Callable) -> str | None:
+                    differences: dict[str, str], weights: Callable | None) -> str | None:
         """The kind in which ``kept``'s state differs from ``state`` where it matters, or its weights' values from
-        the weights' now (None: it may serve); the reason is recorded in ``differences`` under its kind."""
+        the weights' now (``weights``; None: not compared), None where it may serve; the reason is recorded in
+        ``differences`` under its kind."""
         difference = kept.state.difference(state)
         if difference is None:
             why = None
@@ -191,8 +196,8 @@ class KeptCalls:
             why = agree(kept, state, call)
         else:
             why = kept.state.explain(state, self.reader)
-        if why is None:  # the same state, or one the programs prove the same: the weights' values decide
-            difference, why = WRITTEN, self.reader.written(kept.weights, weights())
+        if why is None and weights is not None:  # the same state, or one the programs prove the same: the
+            difference, why = WRITTEN, self.reader.written(kept.weights, weights())  # weights' values decide
         if why is None:
             return None
         differences.setdefault(difference, why)
