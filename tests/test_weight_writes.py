@@ -63,6 +63,16 @@ def test_the_digest_refuses_a_tensor_whose_storage_was_freed():
         digest([t])
 
 
+def test_a_digested_tensor_can_still_be_freed():
+    """FSDP frees a gathered parameter by resizing its storage to 0 after the digest has read it: reading it must
+    not pin the storage (as a NumPy view of it would), and a strided view digests as its values."""
+    t = torch.randn(6, 5)
+    column = t[:, 1]
+    assert torch.equal(digest([column]), digest([column.clone()]))
+    digest([t])
+    t.untyped_storage().resize_(0)
+
+
 # ------------------------------------------------------------------------------------- writes in a loop
 
 def _data_copy(p, values):

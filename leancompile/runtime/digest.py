@@ -22,6 +22,7 @@ measures it).
 """
 from __future__ import annotations
 
+import ctypes
 import functools
 
 import torch
@@ -67,11 +68,17 @@ def _on_one_device(flats: list[torch.Tensor], device: torch.device, weighted: bo
 
 
 def _hashed(flats: list[torch.Tensor]) -> torch.Tensor:
-    """XXH3-64 of each CPU tensor's bytes, read where they lie, as int64."""
+    """XXH3-64 of each CPU tensor's bytes, read where they lie, as int64 on the CPU."""
     import xxhash  # imported with the first digest, not with leancompile
 
-    hashes = [xxhash.xxh3_64_intdigest(flat.numpy()) for flat in flats]
-    return torch.tensor([h - (1 << 64) if h >> 63 else h for h in hashes], dtype=torch.int64)
+    hashes = [xxhash.xxh3_64_intdigest(_buffer(flat)) for flat in flats]
+    return torch.tensor([h - (1 << 64) if h >> 63 else h for h in hashes], dtype=torch.int64, device="cpu")
+
+
+def _buffer(flat: torch.Tensor):
+    """The contiguous bytes ``flat`` as a buffer over its memory. Not ``numpy()``: a storage a NumPy array has
+    viewed can no longer be resized, and FSDP frees a gathered parameter by resizing its storage to 0."""
+    return (ctypes.c_char * flat.numel()).from_address(flat.data_ptr()) if flat.numel() else b""
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
@@ -83,7 +90,7 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
         raise Unreadable(f"a tensor of shape {tuple(t.shape)} has no storage behind its values")
     if t.dtype.is_complex:
         t = torch.view_as_real(t)
-    return t.reshape(-1).view(torch.uint8) if t.dim() else t.reshape(1).view(torch.uint8)
+    return t.contiguous().reshape(-1).view(torch.uint8) if t.dim() else t.reshape(1).view(torch.uint8)
 
 
 def _zero3_partition(param: torch.Tensor) -> torch.Tensor:
