@@ -457,11 +457,11 @@ def _reweight_at(m: StepModel, fraction: float) -> Estimate:
     count = s.buffers if s.buffers is not None else g.window_samples * (1 + s.advantage_free)
     # One per-row gradient per buffer, whole (also under FSDP2); a whole call's keeps a linear weight's as its
     # factors where those are smaller (passes.rowwise), the input's side once per row for every cotangent
-    p, factor_bytes = s.profile, s.compute_dtype.itemsize
-    factored = 0 if per_block else p.factored_params
-    buffer = (s.trainable_params - factored) * s.trainable_bytes + (factored > 0) * p.factors_per_cotangent * \
-        factor_bytes
-    inputs = (factored > 0) * (count // backwards) * p.factors_per_row * factor_bytes
+    p = s.profile
+    factored, per_cotangent, per_row_input = (0, 0, 0) if per_block else \
+        (p.factored_params, p.factors_per_cotangent, p.factors_per_row)
+    buffer = (s.trainable_params - factored) * s.trainable_bytes + per_cotangent * s.compute_dtype.itemsize
+    inputs = (count // backwards) * per_row_input * s.compute_dtype.itemsize
     trained = g.window_samples * cfg.num_trained_steps
     segments = 2 if cfg.use_cfg else 1
     kept = 2 * trained * (segments + (cfg.beta > 0)) * s.latent_bytes

@@ -265,23 +265,26 @@ def _combined(per_basis: tuple[Factors | None, ...], shared: str | None, index: 
     1)``): one product over their tokens. The side the bases share (``shared``: the layer's input, the same tensor
     in each) is read once, the other combined first; each side is read as ``(rows, tokens, size)``, the layout
     the backward made it in."""
-    first = next(f for f in per_basis if f is not None)
-    w = weights.of(first.left.dtype)
-    sides = [(k, f.left.transpose(1, 2), f.right) for k, f in enumerate(per_basis) if f is not None]
-    if shared is None:  # each basis its own pair: one product over the bases' tokens
-        a = torch.cat([side.index_select(0, index) * w[k] for k, side, _ in sides], 1)
-        b = torch.cat([right.index_select(0, index) for _, _, right in sides], 1)
-    else:
-        at = 1 if shared == "right" else 2  # the side combined
-        a, b = (None, first.right.index_select(0, index)) if shared == "right" else \
-            (first.left.transpose(1, 2).index_select(0, index), None)
-        combined = None
-        for k, *pair in sides:
-            side = pair[at - 1].index_select(0, index)
-            combined = side.mul_(w[k]) if combined is None else combined.addcmul_(side, w[k])
-        a, b = (combined, b) if a is None else (a, combined)
+    pairs = [(k, f.left.transpose(1, 2), f.right) for k, f in enumerate(per_basis) if f is not None]
+    w = weights.of(pairs[0][1].dtype)
+    if shared == "right":
+        a, b = _weighted_rows([(k, left) for k, left, _ in pairs], w, index), pairs[0][2].index_select(0, index)
+    elif shared == "left":
+        a, b = pairs[0][1].index_select(0, index), _weighted_rows([(k, right) for k, _, right in pairs], w, index)
+    else:  # each basis its own pair: one product over the bases' tokens
+        a = torch.cat([left.index_select(0, index) * w[k] for k, left, _ in pairs], 1)
+        b = torch.cat([right.index_select(0, index) for _, _, right in pairs], 1)
     rows, tokens, m = a.shape
     return a.reshape(rows * tokens, m).t() @ b.reshape(rows * tokens, b.shape[2])
+
+
+def _weighted_rows(sides: list[tuple[int, torch.Tensor]], w: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``sum_k w[k] * side_k[index]`` over the bases' ``(k, side)``, in place in the first rows gathered."""
+    total = None
+    for k, side in sides:
+        rows = side.index_select(0, index)
+        total = rows.mul_(w[k]) if total is None else total.addcmul_(rows, w[k])
+    return total
 
 
 def _shared_side(per_basis: tuple[Factors | None, ...]) -> str | None:

@@ -69,9 +69,6 @@ class Factors:
     left: torch.Tensor  # (rows, m, k)
     right: torch.Tensor  # (rows, k, n)
 
-    def index_select(self, rows: torch.Tensor) -> "Factors":
-        return Factors(self.left.index_select(0, rows), self.right.index_select(0, rows))
-
 
 class NotRowLaid(ValueError):
     """The module's output has no one row-laid tensor: its calls are not kept, by design."""
