@@ -318,3 +318,34 @@ def test_verify_versions_trusts_the_loop_and_a_bad_value_is_refused_by_name():
     assert module.engine.reader.digested == []
     with pytest.raises(ValueError, match="verify must be one of"):
         leancompile.wrap(TwoArguments(), verify="bytes")
+
+
+def test_a_reference_swapped_in_through_data_inside_reweights_head_runs_on_the_reference():
+    """Flow-Factory computes its KL reference by copying the reference's weights into the policy module through
+    ``.data``. Inside Reweight's provisional head that call runs on the reference's weights (it is not answered with
+    the policy's kept output, which would leave the head's KL cotangent at zero): the update's call is then in the
+    span and served, with native's gradient."""
+    torch.manual_seed(0)
+    base = TwoArguments()
+    native, module = copy.deepcopy(base), leancompile.wrap(base, schedule="reweight")
+    reference = module.linear.weight.detach() * 0.9
+    x, t = torch.randn(3, 6, dtype=torch.float64), torch.full((3,), 0.5, dtype=torch.float64)
+
+    def loss(m, advantage):
+        policy = m.linear.weight.data.clone()
+        m.linear.weight.data.copy_(reference)  # no version counter moves
+        with torch.no_grad():
+            kl_reference = m(x, t)  # before the policy's call: the kept rows are still free to answer it
+        m.linear.weight.data.copy_(policy)
+        out = m(x, t)
+        return (advantage * out).sum() + 0.05 * (out - kl_reference).square().sum()
+
+    with torch.no_grad():
+        module(x, t)
+    module.provisional(lambda a: loss(module, a))
+    loss(module, 0.7).backward()
+    loss(native, 0.7).backward()
+    served = [r for r in module.last_calls if r.action == "served"]
+    assert len(served) == 1 and module.stats()["recompute_reasons"].get("cotangent") is None, module.last_calls
+    for p, q in zip(module.parameters(), native.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-10, atol=0)

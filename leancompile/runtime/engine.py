@@ -258,7 +258,7 @@ class ReuseEngine:
         heads = self._leaves is not None
         return self.store.lookup(call, keys, self._modes_agree, self._available,
                                  (lambda kept, row: self._answered.add((id(kept), row))) if heads else None,
-                                 values=not heads)
+                                 values=not (heads and torch.is_grad_enabled()))
 
     def _looked_up(self, call: Call, keys) -> Found:
         """The call's lookup; where no kept row has its rows and a kept call differs from it in some arguments'

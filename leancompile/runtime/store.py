@@ -135,8 +135,9 @@ class KeptCalls:
         ``state`` is read, where not given, only once every row has a candidate. ``available``: whether a kept row
         may still serve (a lookup passes over one that cannot to an equal row of another kept call); ``taken``:
         told of each row found, before the next row is looked up. ``values``: the weights' values are compared too
-        (not for a provisional head's call: what it is answered only makes the basis its served calls' cotangents
-        are tested against, and each served call compares the values)."""
+        (not for a provisional head's call with grad: the leaf it is answered only makes the basis its served calls'
+        cotangents are tested against, and each served call compares the values; a head's call without grad, a KL
+        reference swapped in through ``.data``, is compared, so that it runs on the weights it reads)."""
         if not self.calls:
             return Found(None, *self.empty())
         candidates = [self._index.get(key, ()) for key in keys]
