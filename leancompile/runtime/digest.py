@@ -43,51 +43,58 @@ def digest(tensors: list[torch.Tensor], weighted: bool = False) -> torch.Tensor:
     values are (but for the odds above). A sharded DTensor is read by its local shard, a DeepSpeed ZeRO-3 parameter
     by its partition; tensors on several devices are digested on each. Raises :class:`Unreadable` for a tensor with
     no storage behind its values. ``weighted``: by CUDA's weighted sums on the CPU too (tested there)."""
-    flats = [_bytes(t) for t in tensors]
-    if not flats:
+    sources = [_source(t) for t in tensors]
+    if not sources:
         return torch.zeros(0, dtype=torch.int64, device="cpu")
     by_device: dict[torch.device, list[int]] = {}
-    for i, flat in enumerate(flats):
-        by_device.setdefault(flat.device, []).append(i)
+    for i, source in enumerate(sources):
+        by_device.setdefault(source.device, []).append(i)
     if len(by_device) == 1:
-        return _on_one_device(flats, flats[0].device, weighted)
-    out = torch.zeros(len(flats), dtype=torch.int64, device=flats[0].device)
+        return _on_one_device(sources, sources[0].device, weighted)
+    out = torch.zeros(len(sources), dtype=torch.int64, device=sources[0].device)
     for device, indices in by_device.items():
-        part = _on_one_device([flats[i] for i in indices], device, weighted).to(out.device)
+        part = _on_one_device([sources[i] for i in indices], device, weighted).to(out.device)
         out.index_copy_(0, torch.tensor(indices, device=out.device), part)
     return out
 
 
-def _on_one_device(flats: list[torch.Tensor], device: torch.device, weighted: bool) -> torch.Tensor:
+def _on_one_device(sources: list[torch.Tensor], device: torch.device, weighted: bool) -> torch.Tensor:
     if device.type == "cpu" and not weighted:
-        return _hashed(flats)
+        return _hashed(sources)
+    flats = [_bytes(s) for s in sources]
     layout = _layout(tuple(f.numel() for f in flats), device)
     sums = torch.cat([_row_sums(rows) for rows in _rows(flats, layout.pads, device)])
     return torch.zeros(len(flats), dtype=torch.int64, device=device).index_add_(0, layout.owner,
                                                                                 sums.mul_(layout.places))
 
 
-def _hashed(flats: list[torch.Tensor]) -> torch.Tensor:
-    """XXH3-64 of each CPU tensor's bytes, read where they lie, as int64 on the CPU."""
+def _hashed(sources: list[torch.Tensor]) -> torch.Tensor:
+    """XXH3-64 of each CPU tensor's bytes, read where they lie (a copy where not contiguous), as int64 on the CPU."""
     import xxhash  # imported with the first digest, not with leancompile
 
+    flats = [s if s.is_contiguous() else _bytes(s) for s in sources]  # alive while their memory is read
     hashes = [xxhash.xxh3_64_intdigest(_buffer(flat)) for flat in flats]
     return torch.tensor([h - (1 << 64) if h >> 63 else h for h in hashes], dtype=torch.int64, device="cpu")
 
 
-def _buffer(flat: torch.Tensor):
-    """The contiguous bytes ``flat`` as a buffer over its memory. Not ``numpy()``: a storage a NumPy array has
+def _buffer(t: torch.Tensor):
+    """The bytes of the contiguous ``t`` as a buffer over its memory. Not ``numpy()``: a storage a NumPy array has
     viewed can no longer be resized, and FSDP frees a gathered parameter by resizing its storage to 0."""
-    return (ctypes.c_char * flat.numel()).from_address(flat.data_ptr()) if flat.numel() else b""
+    return (ctypes.c_char * t.nbytes).from_address(t.data_ptr()) if t.nbytes else b""
 
 
-def _bytes(t: torch.Tensor) -> torch.Tensor:
-    """``t``'s values as a flat tensor of bytes (a copy where ``t`` is not contiguous)."""
+def _source(t: torch.Tensor) -> torch.Tensor:
+    """The tensor whose memory holds ``t``'s values on this rank."""
     t = t.detach() if getattr(t, "ds_tensor", None) is None else _zero3_partition(t)
     if hasattr(t, "to_local"):  # FSDP2's DTensor: each rank digests its own shard
         t = t.to_local()
     if t.numel() and t.untyped_storage().nbytes() < (t.storage_offset() + t.numel()) * t.element_size():
         raise Unreadable(f"a tensor of shape {tuple(t.shape)} has no storage behind its values")
+    return t
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s values as a flat tensor of bytes (a copy where ``t`` is not contiguous)."""
     if t.dtype.is_complex:
         t = torch.view_as_real(t)
     return t.contiguous().reshape(-1).view(torch.uint8) if t.dim() else t.reshape(1).view(torch.uint8)

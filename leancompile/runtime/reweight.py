@@ -19,6 +19,7 @@ Per transformer block, see :mod:`.reweight_blocks`.
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -46,10 +47,13 @@ class ProvisionalRows:
     precision: torch.dtype | None = None  # the coarsest the cotangents were computed in (None: their dtype)
     # the parameters whose gradients are kept as Factors: their position -> the side their bases share
     factored: dict[int, str | None] = field(init=False)
+    # the small dense gradients, laid side by side per dtype (``gradients`` then holds views of them)
+    packs: tuple["Pack", ...] = field(init=False)
 
     def __post_init__(self):
         self.factored = {i: _shared_side(g) for i, g in enumerate(self.gradients)
                          if any(isinstance(f, Factors) for f in g)}
+        self.packs = Pack.of(self.gradients)
 
     @classmethod
     def settle(cls, engine, kept: KeptCall, basis: list[torch.Tensor] | None, gradients: list[list],
@@ -68,6 +72,50 @@ class ProvisionalRows:
         nbytes = sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
         engine.store.count(nbytes - kept.nbytes)
         kept.nbytes = nbytes
+
+
+# Per-row gradients of at most this many elements a row are packed: a served call then combines all of them with
+# one product per stretch and cotangent where it had made one per parameter (a bias's, a norm's: the per-op cost)
+PACKED_ELEMENTS = 1 << 16
+
+
+@dataclass(frozen=True)
+class Pack:
+    """Parameters' dense per-row gradients of one dtype and device, side by side: per cotangent a ``(rows, size)``
+    buffer whose columns ``offsets[j]:offsets[j + 1]`` are parameter ``params[j]``'s, of ``shapes[j]``."""
+
+    params: tuple[int, ...]
+    offsets: tuple[int, ...]
+    shapes: tuple[torch.Size, ...]
+    buffers: tuple[torch.Tensor, ...]
+
+    @property
+    def layout(self) -> tuple:
+        """What two kept calls' packs must share for one product to combine both."""
+        return self.params, self.offsets, self.shapes, self.buffers[0].dtype, len(self.buffers)
+
+    @classmethod
+    def of(cls, gradients: list[tuple]) -> tuple["Pack", ...]:
+        """Pack the small dense per-row gradients that every cotangent reached, replacing them in ``gradients`` by
+        views of the packs (a copy of each: small by definition)."""
+        groups: dict[tuple, list[int]] = {}
+        for i, per_basis in enumerate(gradients):
+            if all(type(g) is torch.Tensor for g in per_basis) and per_basis[0][0].numel() <= PACKED_ELEMENTS:
+                groups.setdefault((per_basis[0].dtype, per_basis[0].device, per_basis[0].shape[0]), []).append(i)
+        packs = []
+        for members in (m for m in groups.values() if len(m) > 1):
+            shapes = tuple(gradients[i][0].shape[1:] for i in members)
+            offsets = (0, *itertools.accumulate(s.numel() for s in shapes))
+            buffers = tuple(torch.cat([gradients[i][k].flatten(1) for i in members], 1)
+                            for k in range(len(gradients[members[0]])))
+            for j, i in enumerate(members):
+                gradients[i] = tuple(b[:, offsets[j]:offsets[j + 1]].unflatten(1, shapes[j]) for b in buffers)
+            packs.append(cls(tuple(members), offsets, shapes, buffers))
+        return tuple(packs)
+
+    def unpacked(self, flat: torch.Tensor) -> dict[int, torch.Tensor]:
+        """Each parameter's gradient as a view of ``flat``, a combination of the buffers' rows."""
+        return {i: flat[self.offsets[j]:self.offsets[j + 1]].view(self.shapes[j]) for j, i in enumerate(self.params)}
 
 
 def span_tolerance(dtype: torch.dtype) -> float:
@@ -202,16 +250,27 @@ class Reweight(ScheduleRuntime):
             if coefficients is None:
                 return None
         # Each parameter's gradient is a matrix-vector product over the rows' provisional gradients, read in place
-        # (gathering them first copied every row twice), one per stretch of kept rows (see _stretches); one product
-        # over the rows' tokens where they are kept as factors
+        # (gathering them first copied every row twice), one per stretch of kept rows (see _stretches) and for all
+        # the packed ones at once; one product over the rows' tokens where they are kept as factors
         runs, offset, by_group = [], 0, []
         for provisional, index, _ in groups:
             weights = coefficients[offset:offset + len(index)]
             offset += len(index)
             by_group.append((provisional, index, _InDtypes(weights.t().unsqueeze(2).unsqueeze(3))))
             runs += [(provisional, start, stop, _InDtypes(w.t())) for start, stop, w in _stretches(index, weights)]
+        combined: dict[int, torch.Tensor] = {}
+        for pack_index, pack in enumerate(_common_packs([provisional for provisional, _, _ in groups])):
+            flat = None
+            for provisional, start, stop, weights in runs:
+                for k, buffer in enumerate(provisional.packs[pack_index].buffers):
+                    matrix, vector = buffer[start:stop].t(), weights.of(buffer.dtype)[k]
+                    flat = torch.mv(matrix, vector) if flat is None else flat.addmv_(matrix, vector)
+            combined.update(pack.unpacked(flat))
         grads = []
         for i in range(len(groups[0][0].gradients)):
+            if i in combined:
+                grads.append(combined[i])
+                continue
             total = None
             for provisional, index, weights in by_group:
                 if i in provisional.factored:
@@ -285,6 +344,13 @@ def _weighted_rows(sides: list[tuple[int, torch.Tensor]], w: torch.Tensor, index
         rows = side.index_select(0, index)
         total = rows.mul_(w[k]) if total is None else total.addcmul_(rows, w[k])
     return total
+
+
+def _common_packs(provisionals: list[ProvisionalRows]) -> tuple[Pack, ...]:
+    """The packs of the first kept call where every kept call packed its gradients alike (else none: each
+    parameter is combined on its own, through the packs' views)."""
+    layouts = {tuple(pack.layout for pack in provisional.packs) for provisional in provisionals}
+    return provisionals[0].packs if len(layouts) == 1 else ()
 
 
 def _shared_side(per_basis: tuple[Factors | None, ...]) -> str | None:
