@@ -96,16 +96,18 @@ class WrapRuntime:
             return torch.nn.Module.__call__(module, *args, **kwargs)
         _INSIDE[0] += 1
         try:
+            # Stopped for good (auto's verdict, rollouts that served nothing): nothing is kept or served again, so
+            # the module's structure is not looked at again either (TRL registers modules every step)
+            if self.refusal is None and self._stopped():
+                if torch.is_grad_enabled():
+                    self._note("recomputed", args, self.serving.policy.stopped, "stopped")
+                return torch.nn.Module.__call__(module, *args, **kwargs)
             self._look_again(module)
             if self.refusal is not None:
                 if torch.is_grad_enabled():
                     self._note("recomputed", args, self.refusal, "unsupported")
                 return self._natively(module, args, kwargs)
             if self._tried_natively():  # every wrapped module inside runs natively too (_INSIDE)
-                return torch.nn.Module.__call__(module, *args, **kwargs)
-            if self._stopped():
-                if torch.is_grad_enabled():
-                    self._note("recomputed", args, self.serving.policy.stopped, "stopped")
                 return torch.nn.Module.__call__(module, *args, **kwargs)
             if self.through is not None:
                 return self._natively(module, args, kwargs)
