@@ -101,7 +101,7 @@ def main(argv=None) -> int:
     measured = [] if args.loops_only else selected_cases(args)
     tasks = [(measure_case, case, repetitions, tuple(args.schedules), args.min_seconds) for case in measured]
     loops = args.loops if args.loops is not None else (list(LOOPS) if args.grid or args.full else list(QUICK_LOOPS))
-    tasks += [(measure_loop_runs, name, repetitions, args.device, args.runs) for name in loops]
+    tasks += [(measure_loop_runs, name, repetitions, args.device, args.runs, args.min_seconds) for name in loops]
     on_policy_rows = any(name.startswith("llm/") for name in loops)  # the LLM loop's first micro-step's ratios
     tasks += [(on_policy, precision, args.device) for precision in (("float32", "bf16") if on_policy_rows else ())]
     if args.equivalence_steps > 0:

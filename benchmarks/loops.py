@@ -3,6 +3,7 @@ how far from 1 the importance ratio of the update's first micro-step is in each.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import torch
 
@@ -12,7 +13,7 @@ from examples.loop_cli import trained_module
 from .cases import backbone_sizes
 from leancompile.runtime.auto import AUTO_FLOOR
 
-from .measure import counted_step, interleaved_times, max_rel_weight_diff, timing_fields
+from .measure import counted_step, interleaved_times, max_rel_weight_diff, timed_step, timing_fields
 from .public_loops import DanceGRPOWanLoop, FlowGRPOFluxLoop, Setup, WanSetup
 from .trl import TrlConfig, TrlLoop
 
@@ -81,9 +82,10 @@ class _Program:
         return self.module.stats() if hasattr(self.module, "stats") else {}
 
 
-def measure_loop(name: str, repetitions: int, device: str = "cpu") -> dict:
+def measure_loop(name: str, repetitions: int, device: str = "cpu", min_seconds: float = 0.0) -> dict:
     """One row: the loop natively and wrapped, stepped in alternation after three warm-up steps each (the last
-    counts the FLOPs; under auto, after its trial too)."""
+    counts the FLOPs; under auto, after its trial too); at least ``repetitions`` rounds, more where native's steps
+    are short, until they add up to about ``min_seconds`` of native time (as the cases' rows)."""
     loop_class, config = LOOPS[name]
     config = _on(device, name, config)
     programs = {"native": _Program(loop_class(config, use_leancompile=False)),
@@ -96,6 +98,8 @@ def measure_loop(name: str, repetitions: int, device: str = "cpu") -> dict:
     while any(s.get("trying") for s in stats.values()):
         stats = {key: program.step(None) for key, program in programs.items()}
     flops = {key: counted_step(program, None)[1] for key, program in programs.items()}
+    probe = {key: timed_step(program, None)[0] for key, program in programs.items()}  # both: their weights compare
+    repetitions = max(repetitions, math.ceil(min_seconds / probe["native"].wall))
     times, stats = interleaved_times(programs, None, repetitions)
     backbone, trainer = name.split("/")[:2]
     wrapped = stats["wrapped"]
@@ -115,10 +119,12 @@ def measure_loop(name: str, repetitions: int, device: str = "cpu") -> dict:
     return row
 
 
-def measure_loop_runs(name: str, repetitions: int, device: str = "cpu", runs: int = 1) -> dict:
+def measure_loop_runs(name: str, repetitions: int, device: str = "cpu", runs: int = 1,
+                      min_seconds: float = 0.0) -> dict:
     """The loop measured ``runs`` times, each from fresh loops: the median run's row, with every run's speedup and
     in how many of them the wrapped loop was at least ``AUTO_FLOOR`` of native's speed (auto's floor)."""
-    rows = sorted((measure_loop(name, repetitions, device) for _ in range(runs)), key=lambda r: r["speedup"])
+    rows = sorted((measure_loop(name, repetitions, device, min_seconds) for _ in range(runs)),
+                  key=lambda r: r["speedup"])
     speedups = [r["speedup"] for r in rows]
     return {**rows[len(rows) // 2], "speedups": speedups, "floor_held": sum(x >= AUTO_FLOOR for x in speedups)}
 

@@ -75,11 +75,12 @@ def timed_step(trainer, prompts) -> tuple[Timing, dict]:
 
 
 def interleaved_times(programs: dict, prompts, repetitions: int) -> tuple[dict, dict]:
-    """Round-robin alternation, so that load from other processes hits every program alike."""
+    """Round-robin alternation, so that load from other processes hits every program alike; every other round in
+    reverse order, so that no program always follows the same one (whose caches and allocations it inherits)."""
     times = {name: [] for name in programs}
     stats = {}
-    for _ in range(repetitions):
-        for name, trainer in programs.items():
+    for round_ in range(repetitions):
+        for name, trainer in (reversed if round_ % 2 else iter)(list(programs.items())):
             timing, stats[name] = timed_step(trainer, prompts)
             times[name].append(timing)
     return times, stats

@@ -1,5 +1,6 @@
 """The benchmark's machinery on the smallest case: a row per schedule with the promised fields and matching
 weights."""
+import dataclasses
 import json
 import math
 import sys
@@ -128,13 +129,29 @@ def test_grid_and_full_are_refused_together(capsys):
     assert "--full" in capsys.readouterr().err
 
 
+def test_interleaved_rounds_alternate_which_program_goes_first():
+    from types import SimpleNamespace
+
+    from benchmarks.measure import interleaved_times
+
+    order = []
+    program = lambda name: SimpleNamespace(device=torch.device("cpu"), step=lambda _: order.append(name) or {})
+    times, _ = interleaved_times({"native": program("native"), "wrapped": program("wrapped")}, None, 4)
+    assert order == ["native", "wrapped", "wrapped", "native"] * 2
+    assert [len(t) for t in times.values()] == [4, 4]
+
+
 def test_a_loop_row_times_the_loop_natively_and_wrapped(monkeypatch):
-    """The loop benchmark's machinery on a small LLM loop: both programs stepped, FLOPs counted, calls served."""
+    """The loop benchmark's machinery on a small LLM loop: both programs stepped, FLOPs counted, calls served; more
+    rounds where a time budget asks for them."""
     from benchmarks import loops
     from examples import grpo_llm
 
     monkeypatch.setitem(loops.LOOPS, "llm/grpo", (grpo_llm.Loop, grpo_llm.Config(prompts=2, group=2, micro_batch=2)))
-    row = loops.measure_loop("llm/grpo", repetitions=1)
+    step = loops.timed_step  # the step that sizes the rounds, taken as half a second
+    monkeypatch.setattr(loops, "timed_step", lambda *a: (dataclasses.replace(step(*a)[0], wall=0.5), {}))
+    row = loops.measure_loop("llm/grpo", repetitions=1, min_seconds=1.6)
+    assert row["repetitions"] == len(row["native_times"]) == len(row["optimized_times"]) == 4
     assert row["served_calls"] == 2 and row["recomputed_calls"] == 0
     assert row["native_flops"] > row["optimized_flops"] > 0  # the update's forwards are gone
     assert "| llm/grpo (full), wrap (retain) |" in loops.loops_markdown([row])
