@@ -101,7 +101,7 @@ class Pack:
         groups: dict[tuple, list[int]] = {}
         for i, per_basis in enumerate(gradients):
             if all(type(g) is torch.Tensor for g in per_basis) and per_basis[0][0].numel() <= PACKED_ELEMENTS:
-                groups.setdefault((per_basis[0].dtype, per_basis[0].device, per_basis[0].shape[0]), []).append(i)
+                groups.setdefault((per_basis[0].dtype, per_basis[0].device), []).append(i)
         packs = []
         for members in (m for m in groups.values() if len(m) > 1):
             shapes = tuple(gradients[i][0].shape[1:] for i in members)
@@ -259,13 +259,8 @@ class Reweight(ScheduleRuntime):
             by_group.append((provisional, index, _InDtypes(weights.t().unsqueeze(2).unsqueeze(3))))
             runs += [(provisional, start, stop, _InDtypes(w.t())) for start, stop, w in _stretches(index, weights)]
         combined: dict[int, torch.Tensor] = {}
-        for pack_index, pack in enumerate(_common_packs([provisional for provisional, _, _ in groups])):
-            flat = None
-            for provisional, start, stop, weights in runs:
-                for k, buffer in enumerate(provisional.packs[pack_index].buffers):
-                    matrix, vector = buffer[start:stop].t(), weights.of(buffer.dtype)[k]
-                    flat = torch.mv(matrix, vector) if flat is None else flat.addmv_(matrix, vector)
-            combined.update(pack.unpacked(flat))
+        for j, pack in enumerate(_common_packs([provisional for provisional, _, _ in groups])):
+            combined.update(pack.unpacked(_over_runs(runs, lambda provisional, j=j: provisional.packs[j].buffers)))
         grads = []
         for i in range(len(groups[0][0].gradients)):
             if i in combined:
@@ -276,17 +271,7 @@ class Reweight(ScheduleRuntime):
                 if i in provisional.factored:
                     product = _combined(provisional.gradients[i], provisional.factored[i], index, weights)
                     total = product if total is None else total.add_(product)
-            for provisional, start, stop, weights in runs:
-                for k, basis_rows in enumerate(provisional.gradients[i]):
-                    if basis_rows is None or isinstance(basis_rows, Factors):  # a head that did not reach it
-                        continue
-                    rows = basis_rows[start:stop]  # (run, *shape)
-                    matrix, vector = rows.reshape(stop - start, -1).t(), weights.of(rows.dtype)[k]
-                    if total is None:
-                        total = torch.mv(matrix, vector).view(rows.shape[1:])
-                    else:
-                        total.view(-1).addmv_(matrix, vector)
-            grads.append(total)
+            grads.append(_over_runs(runs, lambda provisional, i=i: provisional.gradients[i], total))
         for i in inputs:  # each row's input gradient: its own combination, placed at its row of the call
             if not all(i in provisional.inputs for provisional, _, _ in groups):
                 return None  # the rollout's heads did not reach this input: recompute
@@ -343,6 +328,24 @@ def _weighted_rows(sides: list[tuple[int, torch.Tensor]], w: torch.Tensor, index
     for k, side in sides:
         rows = side.index_select(0, index)
         total = rows.mul_(w[k]) if total is None else total.addcmul_(rows, w[k])
+    return total
+
+
+def _over_runs(runs: list[tuple], per_basis, total: torch.Tensor | None = None) -> torch.Tensor | None:
+    """``total`` (None: nothing yet) plus the weighted sum of the rows of the dense per-row gradients ``(rows,
+    *shape)`` that ``per_basis(provisional)`` gives per cotangent, over the stretches ``runs`` of ``(provisional,
+    start, stop, weights)``: one matrix-vector product per stretch and cotangent, read in place. A cotangent whose
+    gradient is None (a head that did not reach it) or Factors (combined apart) is passed over."""
+    for provisional, start, stop, weights in runs:
+        for k, basis_rows in enumerate(per_basis(provisional)):
+            if basis_rows is None or isinstance(basis_rows, Factors):
+                continue
+            rows = basis_rows[start:stop]  # (run, *shape)
+            matrix, vector = rows.reshape(stop - start, -1).t(), weights.of(rows.dtype)[k]
+            if total is None:
+                total = torch.mv(matrix, vector).view(rows.shape[1:])
+            else:
+                total.view(-1).addmv_(matrix, vector)
     return total
 
 
