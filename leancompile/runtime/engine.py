@@ -236,11 +236,13 @@ class ReuseEngine:
             kind = "compile failed" if program.failed else "not keepable"
             self.log.records.append(CallRecord("not kept", call.batch, refusal, kind))
             return self.native(*call.args, **call.kwargs)
+        weights = self.reader.digest()
         began, compiled = self._clock(call.device), self.compiled_seconds
         output, saved = self.schedule_runtime.forward(self, rowwise, key, call)
         seconds = self._clock(call.device) - began - (self.compiled_seconds - compiled)  # the program's run alone
         start = time.perf_counter()
-        kept = self.store.add(state, call, output=output, layout=program.output, rowwise=rowwise, key=key)
+        kept = self.store.add(state, call, weights=weights, output=output, layout=program.output, rowwise=rowwise,
+                              key=key)
         self.check_seconds += time.perf_counter() - start
         began = self._clock(call.device)
         self.schedule_runtime.keep(self, kept, saved, action)

@@ -108,13 +108,14 @@ class KeptCalls:
     def __iter__(self):
         return iter(self.calls)
 
-    def add(self, state: CallState, call: Call, keys: list | None = None, **held) -> KeptCall:
-        """Keep ``call``'s rows (``keys``: their digests, where the caller has them) in ``state``; ``held``: the
-        kept call's other fields."""
+    def add(self, state: CallState, call: Call, keys: list | None = None, weights=None, **held) -> KeptCall:
+        """Keep ``call``'s rows (``keys``: their digests, where the caller has them) in ``state``; ``weights``: the
+        weights' digest when the call was made, where the caller took it; ``held``: the kept call's other fields."""
         self.drop_stale(state)
         self.stale = self.freed = None
         kept = KeptCall(state, tuple(t.detach() for t in call.identity_rows),
-                        tuple(t.detach() for t in call.whole_inputs), weights=self.reader.digest(), **held)
+                        tuple(t.detach() for t in call.whole_inputs),
+                        weights=self.reader.digest() if weights is None else weights, **held)
         self.calls.append(kept)
         for row, digest in enumerate(keys if keys is not None else row_keys(call.identity_rows)):
             self._index.setdefault(digest, []).append((kept, row))
