@@ -84,17 +84,23 @@ def optimize(trainer, schedule: str = "auto", memory_budget: float | None = None
                                                    f"update {len(p.update.graph.nodes)} nodes")
         if schedule == "native":
             plan = _native_plan(trainer.config, schedule, "schedule='native': the untransformed program")
-            graphs, runtime = {"rollout": programs.rollout, "update": programs.update}, None
+            graphs, runtime, runner_up = {"rollout": programs.rollout, "update": programs.update}, None, None
         else:
-            plan, graphs, runtime = _compile(subject, programs, request, history)
+            (plan, graphs, runtime), runner_up = _compile(subject, programs, request, history)
     optimized = copy.copy(trainer)
     optimized.__class__ = optimized_class(type(trainer))
     optimized.plan = plan
     optimized.graphs = graphs
     optimized._engine = runtime
     optimized._reference_engine = _reference_engine(trainer, runtime)
+    if runner_up is not None:  # built only where auto's trial measures its pick no faster than native
+        optimized._runner_up = lambda: _with_reference(trainer, *runner_up())
     optimized.pass_history = history
     return optimized
+
+
+def _with_reference(trainer, plan: Plan, graphs: dict, engine: ReuseEngine):
+    return plan, graphs, engine, _reference_engine(trainer, engine)
 
 
 def _reference_engine(trainer, engine) -> ReuseEngine | None:
@@ -117,7 +123,8 @@ def _on_weights(trainer, backbone, trainable):
 
 def _compile(trainer, programs, request: Request, history: passes.PassHistory):
     """Run the analyses in order, choose a schedule from the registry (:mod:`leancompile.schedules`) and build it;
-    where the analyses find no valid reuse, the plan is native and says why."""
+    where the analyses find no valid reuse, the plan is native and says why. Returns ``(plan, graphs, engine)``
+    and, under auto, what builds the runner-up (None where there is none)."""
     config, requested = trainer.config, request.schedule
     graphs = {"rollout": programs.rollout, "update": programs.update}
     shared = history.analyse("detect_shared_backbone", "rollout + update", passes.detect_shared_backbone,
@@ -125,8 +132,8 @@ def _compile(trainer, programs, request: Request, history: passes.PassHistory):
                              found=lambda s: f"{len(s.pairs)} shared call(s), {s.nodes} nodes")
     if not shared.found:
         unshared = "; ".join(f"update call {i} not shared: {why}" for i, why in shared.unshared)
-        return _native_plan(config, requested, "no reusable backbone call: " + (unshared or "nothing found")), \
-            graphs, None
+        return (_native_plan(config, requested, "no reusable backbone call: " + (unshared or "nothing found")),
+                graphs, None), None
     pair = shared.pairs[0]
     validity = history.analyse("check_validity", "rollout + update", passes.check_validity, programs.rollout,
                                programs.update, pair, strict=request.strict, numerics_only=shared.numerics_only,
@@ -134,11 +141,12 @@ def _compile(trainer, programs, request: Request, history: passes.PassHistory):
     found = dict(shared=SharedCall(*pair, shared.nodes, len(shared.parameters), shared.layout.segments,
                                    shared.unshared), findings=validity.findings)
     if not validity.reusable:
-        return _native_plan(config, requested, "reuse refused: " + "; ".join(validity.reasons), **found), graphs, None
+        return (_native_plan(config, requested, "reuse refused: " + "; ".join(validity.reasons), **found), graphs,
+                None), None
     if request.bitwise and shared.numerics_only:
         reason = ("reuse refused: bitwise=True, and the rollout's call and the update's run different operators "
                   "(they match only modulo casts or kernel flags), so native's own update rounds differently")
-        return _native_plan(config, requested, reason, **found), graphs, None
+        return (_native_plan(config, requested, reason, **found), graphs, None), None
     linearity = history.analyse("check_linearity", "update", passes.check_linearity, programs.update,
                                 found=lambda lin: "affine" if lin.affine else f"not affine: {lin.reason}")
     analyses = Analyses(trainer, programs, shared, linearity, request, history)
@@ -153,7 +161,7 @@ def _compile(trainer, programs, request: Request, history: passes.PassHistory):
                                            + ("" if e.fits else " (does not fit)")
                                            for e in cost.estimates[:-1] if e.available))
         if auto.runs is Schedule.NATIVE:
-            return _native_plan(config, requested, choice, cost=cost, **found), graphs, None
+            return (_native_plan(config, requested, choice, cost=cost, **found), graphs, None), None
         chosen, planned = auto.runs, auto.steps
         analyses = dataclasses.replace(analyses, cost=cost)
     else:
@@ -163,12 +171,34 @@ def _compile(trainer, programs, request: Request, history: passes.PassHistory):
             chosen = SCHEDULES[chosen].fallback
         choice = "; ".join(fallbacks) or f"schedule={requested!r} requested"
         if chosen is Schedule.NATIVE:
-            return _native_plan(config, requested, choice, **found), graphs, None
-    built = SCHEDULES[chosen].build(analyses, planned)
-    plan = Plan(chosen, requested, built.steps, choice + (f"; {built.runs}" if built.runs else ""), **found,
-                pruned=built.pruned, reuse=REUSE_RULE, buffers=built.buffers, cost=analyses.cost,
-                exactness=built.exactness)
-    return plan, built.graphs, built.engine
+            return (_native_plan(config, requested, choice, **found), graphs, None), None
+
+    def build(schedule: Schedule, planned: tuple, choice: str):
+        built = SCHEDULES[schedule].build(analyses, planned)
+        plan = Plan(schedule, requested, built.steps, choice + (f"; {built.runs}" if built.runs else ""), **found,
+                    pruned=built.pruned, reuse=REUSE_RULE, buffers=built.buffers, cost=analyses.cost,
+                    exactness=built.exactness)
+        return plan, built.graphs, built.engine
+
+    runner_up = _runner_up(analyses.cost, chosen) if requested == AUTO else None
+    if runner_up is None:
+        return build(chosen, planned, choice), None
+    predicted = f"{runner_up.runs} ({analyses.cost.speedup(runner_up.schedule):.2f}x predicted)"
+    return (build(chosen, planned, f"{choice}; runner-up {predicted}, tried where auto's trial measures {chosen} no "
+                                   "faster than native"),
+            lambda: build(runner_up.runs, runner_up.steps, f"{choice}; its trial measured {chosen} no faster than "
+                                                           f"native: the runner-up {predicted} runs instead"))
+
+
+def _runner_up(cost, chosen: Schedule):
+    """The estimate auto tries where its trial measures ``chosen`` no faster than native: the fastest predicted one
+    that fits, is predicted faster than native and runs another program (Offload runs Retain's, its activations
+    elsewhere: no faster where Retain is not); None where there is none."""
+    runtime = SCHEDULES[chosen].runtime
+    others = [e for e in cost.estimates if e.schedule in SCHEDULES and e.available and e.fits
+              and e.runs is not Schedule.NATIVE and SCHEDULES[e.runs].runtime is not runtime
+              and cost.speedup(e.schedule) > 1]
+    return max(others, key=lambda e: cost.speedup(e.schedule), default=None)
 
 
 def _cost_plan(trainer, request: Request, refused, linearity):

@@ -37,6 +37,8 @@ class Optimized:
     # auto's trial of the program against native over whole steps (runtime.auto_trial), until its verdict
     _trial: Trial | None = None
     _verdict: Verdict | None = None
+    # what builds auto's runner-up (plan, graphs, engine, reference engine), tried where the pick measured no faster
+    _runner_up = None
     _kept_now: list = ()
 
     def explain(self) -> str:
@@ -80,13 +82,24 @@ class Optimized:
     def _try(self) -> None:
         """auto's trial: a step begins, the one before it ends; at the verdict the program keeps serving or,
         measured no faster, the trainer runs natively from now on and says why."""
-        verdict = self._trial.rollout(auto.now(), self._engine.compiled_seconds)
+        now = auto.now()
+        verdict = self._trial.rollout(now, self._engine.compiled_seconds)
         if verdict is None:
             return
         self._trial, self._verdict = None, verdict
-        if not verdict.keeps:
-            warnings.warn(f"leancompile.optimize: {verdict}", RuntimeWarning, stacklevel=3)
-            self._engine = self._reference_engine = None  # each step freed what its engine kept
+        if verdict.keeps:
+            return
+        if self._runner_up is not None:  # the planner's next best, tried in turn
+            build, self._runner_up = self._runner_up, None
+            self.plan, graphs, self._engine, self._reference_engine = build()
+            self.graphs.update(graphs)
+            warnings.warn(f"leancompile.optimize: {verdict.measured()}: the runner-up {self.plan.schedule} is tried "
+                          "next", RuntimeWarning, stacklevel=3)
+            self._trial, self._verdict = Trial(), None
+            self._trial.rollout(now, 0.0)  # this step is its first cycle, which compiles
+            return
+        warnings.warn(f"leancompile.optimize: {verdict}", RuntimeWarning, stacklevel=3)
+        self._engine = self._reference_engine = None  # each step freed what its engine kept
 
     def _natively(self, prompts) -> dict:
         """The trainer's own step, no call routed to an engine (auto's native steps, and after its fallback)."""

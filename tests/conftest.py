@@ -97,14 +97,12 @@ def check_served_calls(trainer, marks, every_call_served: bool):
     assert all(r.action == "recomputed" and r.kind in ("weights", "nothing kept", "inputs") for r in after), after
 
 
-def steps_clock(program_seconds: float):
-    """auto's clock (``runtime.auto.now``), read once at the start of each of a trainer's steps while its trial runs:
-    the first step (which compiles) takes 5 s, then native's steps 1 s and the program's ``program_seconds``,
-    alternately from the second step on, through the verdict at the eighth."""
-    times, at = [], 0.0
-    for step in range(1, 9):
-        times.append(at)
-        at += 5.0 if step == 1 else 1.0 if step % 2 == 0 else program_seconds
+def steps_clock(*program_seconds: float):
+    """auto's clock (``runtime.auto.now``), read once at the start of each of a trainer's steps while its trials
+    run, one trial per ``program_seconds``: its first step (which compiles) takes 5 s, then native's steps 1 s and
+    the program's its seconds, alternately, through the verdict at its eighth step (the next trial's first)."""
+    durations = [d for seconds in program_seconds for d in (5.0, 1.0, seconds, 1.0, seconds, 1.0, seconds)]
+    times = [sum(durations[:i]) for i in range(len(durations) + 1)]
     return iter(times).__next__
 
 

@@ -93,35 +93,44 @@ def _weights(trainer):
     return torch.cat([p.detach().flatten().double() for p in trainer.trainable])
 
 
-@pytest.mark.parametrize("program_seconds, falls_back", [(1.2, True), (0.8, False)])
-def test_auto_tries_the_program_against_native_over_whole_steps(monkeypatch, program_seconds, falls_back):
+@pytest.mark.parametrize("trials, runs", [((1.2, 1.2), "native"), ((1.2, 0.8), "reweight"), ((0.8,), "retain")])
+def test_auto_tries_the_program_against_native_over_whole_steps(monkeypatch, trials, runs):
     """After the step that compiles, three pairs of steps alternate native (nothing served) and the program; the
-    median pair decides at the next step: the program measured slower, the trainer runs natively from then on and
-    says why in the stats and a warning, else it keeps serving. Either way its weights stay native's."""
+    median pair decides at the next step. The planner's pick (Retain) measured slower, the runner-up (Reweight) is
+    tried the same way from that step on; measured slower too, the trainer runs natively from then on and says why
+    in the stats and a warning, else it keeps serving. Either way its weights stay native's."""
     config = dataclasses.replace(CONFIG, dtype="float64")
     overrides = {"qk_norm": None}  # SD3.5's float32 RMSNorm would bound float64 agreement (tests of Retain)
     monkeypatch.setattr(calibration, "overheads", lambda device_type: NEGLIGIBLE)
     monkeypatch.setattr(auto, "AUTO_FLOOR", FLOOR)
-    monkeypatch.setattr(auto, "now", steps_clock(program_seconds))
+    monkeypatch.setattr(auto, "now", steps_clock(*trials))
     native, optimized = _trainer(config, **overrides), optimize(_trainer(config, **overrides), "auto")
-    assert optimized.plan.schedule == "retain"
+    assert optimized.plan.schedule == "retain" and "runner-up reweight" in optimized.plan.choice
+    steps_tried = 7 * len(trials)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         steps = []
-        for _ in range(9):
+        for _ in range(steps_tried + 2):
             steps.append(optimized.step([1, 2]))
             native.step([1, 2])
-    assert all(s["trying"] for s in steps[:7]) and not any(s["trying"] for s in steps[7:])
-    assert all(steps[i]["served_calls"] > 0 for i in (0, 2, 4, 6)), steps  # the program's steps
-    assert not any(steps[i]["served_calls"] for i in (1, 3, 5)), steps  # native's
+    assert all(s["trying"] for s in steps[:steps_tried]) and not any(s["trying"] for s in steps[steps_tried:])
+    for trial in range(len(trials)):  # each trial: the program's steps serve, native's serve nothing
+        first = 7 * trial
+        assert all(steps[first + i]["served_calls"] > 0 for i in (0, 2, 4, 6)), steps
+        assert not any(steps[first + i]["served_calls"] for i in (1, 3, 5)), steps
     assert len({frozenset(s) for s in steps}) == 1  # one schema
-    fell_back = [w for w in caught if "the module runs natively from now on" in str(w.message)]
-    if falls_back:
-        assert len(fell_back) == 1 and optimized._engine is None
-        assert "0.83x, below 1.02x" in steps[7]["stopped"] and steps[8]["stopped"] == steps[7]["stopped"]
-        assert steps[7]["served_calls"] == steps[8]["served_calls"] == 0
+    said = [str(w.message) for w in caught if "leancompile.optimize: auto:" in str(w.message)]
+    if len(trials) > 1:
+        assert "0.83x, below 1.02x: the runner-up reweight is tried next" in said[0]
+        predicted = optimized.plan.cost.speedup("reweight")
+        assert optimized.plan.choice.endswith(f"the runner-up reweight ({predicted:.2f}x predicted) runs instead")
+    assert optimized.plan.schedule == (runs if runs != "native" else "reweight")
+    if runs == "native":
+        assert len(said) == 2 and "the module runs natively from now on" in said[1] and optimized._engine is None
+        assert "0.83x, below 1.02x" in steps[-2]["stopped"] and steps[-1]["stopped"] == steps[-2]["stopped"]
+        assert steps[-2]["served_calls"] == steps[-1]["served_calls"] == 0
     else:
-        assert not fell_back and steps[8]["stopped"] is None and steps[8]["served_calls"] > 0
+        assert len(said) == len(trials) - 1 and steps[-1]["stopped"] is None and steps[-1]["served_calls"] > 0
     start = _weights(_trainer(config, **overrides))
     moved = _weights(native) - start
     assert float((_weights(optimized) - start - moved).norm() / moved.norm()) <= 1e-10

@@ -186,7 +186,7 @@ def test_the_equivalence_run_completes_where_auto_falls_back(monkeypatch):
     from leancompile.runtime import auto
 
     monkeypatch.setattr(auto, "AUTO_FLOOR", 0.97)
-    monkeypatch.setattr(auto, "now", steps_clock(1.2))
+    monkeypatch.setattr(auto, "now", steps_clock(1.2, 1.2))
     result = train_side_by_side(9, "float64")
     assert result["steps"] == 9 and result["served_calls"] > 0 and result["weight_rel_error"] <= 1e-10
 
@@ -197,7 +197,7 @@ def test_a_row_of_auto_that_fell_back_to_native_reads_the_native_step(monkeypatc
     from leancompile.runtime import auto
 
     monkeypatch.setattr(auto, "AUTO_FLOOR", 0.97)
-    monkeypatch.setattr(auto, "now", steps_clock(1.2))
+    monkeypatch.setattr(auto, "now", steps_clock(1.2, 1.2))
     case = cases(families=["sd3"], trainers=["fast"], tunings=["lora"], smallest=True)[0]
     row = measure_case(case, repetitions=1, schedules=("auto",))[0]
     assert (row["timed_as"], row["held_bytes"], row["served_calls"], row["speedup"]) == ("native", 0, 0, 1.0)

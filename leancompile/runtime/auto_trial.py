@@ -30,11 +30,15 @@ class Verdict:
     program: float
     compiled: float  # seconds the first cycle compiled, paid once
 
+    def measured(self) -> str:
+        return (f"auto: {PAIRS} pairs of whole loop cycles (rollout to rollout) run alternately natively and with the "
+                f"per-row program took {self.native:.3g} s and {self.program:.3g} s a cycle (medians): "
+                f"{self.gain:.2f}x" + ("" if self.keeps else f", below {AUTO_GAIN}x"))
+
     def __str__(self) -> str:
-        said = (f"auto: {PAIRS} pairs of whole loop cycles (rollout to rollout) run alternately natively and with the "
-                f"per-row program took {self.native:.3g} s and {self.program:.3g} s a cycle (medians): {self.gain:.2f}x")
+        said = self.measured()
         if not self.keeps:
-            return f"{said}, below {AUTO_GAIN}x: the module runs natively from now on"
+            return f"{said}: the module runs natively from now on"
         saved = self.native - self.program
         return f"{said}; the first cycle's compile ({self.compiled:.1f} s) is repaid after {self.compiled / saved:.0f} cycles"
 
