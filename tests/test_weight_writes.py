@@ -25,7 +25,7 @@ DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int
        seed=st.integers(0, 2**16), change=st.sampled_from(["word", "sign", "permute", "swap two", "scale"]),
        weighted=st.booleans())
 def test_the_digest_sees_every_change_of_a_value(dtype, shapes, seed, change, weighted):
-    """The CPU's XXH3 and CUDA's weighted sums (``weighted``, run on the CPU here) alike."""
+    """The CPU's XXH3 and CUDA's int8 products (``weighted``, run on the CPU here) alike."""
     generator = torch.Generator().manual_seed(seed)
     tensors = [(torch.randn(s, generator=generator) * 3).to(dtype) for s in shapes]
     before = digest(tensors, weighted)
@@ -52,6 +52,33 @@ def test_the_digest_sees_every_change_of_a_value(dtype, shapes, seed, change, we
         assert after[position] != before[position]
         assert torch.equal(torch.cat([after[:position], after[position + 1:]]),
                            torch.cat([before[:position], before[position + 1:]]))
+
+
+def test_the_weighted_digest_reads_whole_rows_in_place_and_its_fallback_gives_the_same_integers(monkeypatch):
+    """CUDA's digest on the CPU: a tensor of whole rows from ``IN_PLACE`` bytes is multiplied where it lies, others
+    are copied into buckets (one of fewer than 17 rows padded for CUDA's int8 product); a device without int8
+    products computes the same integers in float32. Every single changed byte is seen, in place or copied."""
+    from leancompile.runtime import digest as module
+
+    generator = torch.Generator().manual_seed(0)
+    big = torch.randn(256, 160, generator=generator)  # 160 KiB: whole rows of ROW bytes
+    tensors = [big, torch.randn(100, 333, generator=generator), torch.randn(3, generator=generator),
+               torch.randn(5, 2, generator=generator).t()]
+    rows = next(module._rows([module._bytes(big)], (0,), big.device))
+    assert rows.data_ptr() == big.data_ptr() and rows.shape == (big.nbytes // module.ROW, module.ROW)
+    products = digest(tensors, weighted=True)
+    monkeypatch.setattr(module, "_int8_products", lambda device: False)
+    assert torch.equal(digest(tensors, weighted=True), products)
+    monkeypatch.undo()
+    for i, t in enumerate(tensors):
+        for position in (0, t.nbytes // 2, t.nbytes - 1):
+            changed = [u.clone() for u in tensors]
+            flat = changed[i].contiguous() if not changed[i].is_contiguous() else changed[i]
+            flat.view(-1).view(torch.uint8)[position] ^= 0x80
+            changed[i] = flat
+            after = digest(changed, weighted=True)
+            assert after[i] != products[i] and torch.equal(after[:i], products[:i])
+            assert torch.equal(after[i + 1:], products[i + 1:])
 
 
 def test_the_digest_refuses_a_tensor_whose_storage_was_freed():

@@ -7,18 +7,20 @@ On the CPU each tensor's bytes are hashed by XXH3-64 (the ``xxhash`` package) wh
 at memory bandwidth, and any change of the bytes shows but with probability 2**-64 (a per-tensor norm would miss a
 permutation and a sign flip).
 
-CUDA has no such hash in torch: there a tensor's bytes are read as 32-bit words, laid in rows of :data:`ROW` words
-(each tensor padded to whole rows, so that a row belongs to one tensor). Each row's digest is the sum of its words
-times random odd 64-bit weights; the tensor's, the sum of its rows' digests times random odd weights of the rows'
-places; all modulo 2**64 (integer arithmetic wraps: exact, and independent of the reduction's order). A change of
-one word by ``d`` (``0 < |d| < 2**32``) moves its row's digest by ``d * w``, never 0 modulo 2**64 for an odd ``w``,
-and the row's change moves the tensor's by a nonzero multiple of an odd weight: a single changed word is always
-seen. Several changes cancel only where the random weights satisfy an equation: a change of the words' top bits
-``2**31 * s_k`` only where ``sum(s_k w_k)`` is 0 modulo 2**33, at odds near 2**-33. The small tensors' bytes are
-copied into rows (in buckets of :data:`BUCKET` bytes; a tensor of whole rows from :data:`IN_PLACE` bytes is read
-where it lies), widened to 64-bit words (read 4, written 8 bytes a word), the products written and read once more
-and summed: about 36 bytes of traffic a 32-bit word, 9 times the weights' bytes (``benchmarks.weight_check``
-measures it).
+CUDA has no such hash in torch: there a tensor's bytes are laid in rows of :data:`ROW` bytes (each tensor padded
+to whole rows, so that a row belongs to one tensor) and multiplied, as int8, by a fixed random int8 matrix of
+:data:`COLUMNS` columns whose entries are odd (``torch._int_mm``, int32 results: exact, a row's sums are below
+``ROW * 128 * 127 < 2**31``). A row's digest is its products times random 64-bit weights, the first odd and the
+others even; the tensor's, the sum of its rows' digests times random odd weights of the rows' places; both modulo
+2**64 (integer arithmetic wraps: exact, and independent of the reduction's order). A change of one byte by ``d``
+(``0 < |d| < 256``) moves the row's products by ``d`` times that byte's odd entries and its digest by ``d`` times
+an odd number (an odd product plus even ones), never 0 modulo 2**64, and the row's change moves the tensor's by a
+nonzero multiple of an odd weight: a single changed byte is always seen. Several changes cancel only where the
+random entries satisfy an equation in every column at once, and then the weights modulo 2**64. The products read
+each byte once and write 4 bytes a column per row; a row's digest reads and writes those few: about 1.2 bytes of
+traffic per byte of weights (``benchmarks.weight_check``; the elementwise sums they replace moved 9). A device
+without int8 products computes the same integers by float32 products of :data:`FLOAT_EXACT` bytes (exact:
+every such sum is below 2**24), at about 9.
 """
 from __future__ import annotations
 
@@ -27,11 +29,13 @@ import functools
 
 import torch
 
-ROW = 256  # 32-bit words a row
+ROW = 4096  # bytes a row (a multiple of 8, as CUDA's int8 products ask)
+COLUMNS = 16  # int8 products a row
+FLOAT_EXACT = 1024  # bytes whose products a float32 sum holds exactly (1024 * 128 * 127 < 2**24)
 BUCKET = 1 << 28  # bytes copied into rows at once at most (a larger tensor alone)
-IN_PLACE = 1 << 16  # bytes from which a tensor of whole rows is read where it lies
+IN_PLACE = 1 << 17  # bytes from which a tensor of whole rows is read where it lies
 # Bytes of memory traffic a digest moves per byte of weights (tensors of whole rows, read where they lie), by device
-TRAFFIC = {"cpu": 1, "cuda": 9}
+TRAFFIC = {"cpu": 1, "cuda": 1.2}
 
 
 class Unreadable(Exception):
@@ -42,7 +46,7 @@ def digest(tensors: list[torch.Tensor], weighted: bool = False) -> torch.Tensor:
     """One int64 per tensor of ``tensors`` (on the first one's device), equal for two lists exactly when their
     values are (but for the odds above). A sharded DTensor is read by its local shard, a DeepSpeed ZeRO-3 parameter
     by its partition; tensors on several devices are digested on each. Raises :class:`Unreadable` for a tensor with
-    no storage behind its values. ``weighted``: by CUDA's weighted sums on the CPU too (tested there)."""
+    no storage behind its values. ``weighted``: by CUDA's int8 products on the CPU too (tested there)."""
     sources = [_source(t) for t in tensors]
     if not sources:
         return torch.zeros(0, dtype=torch.int64, device="cpu")
@@ -111,11 +115,12 @@ def _zero3_partition(param: torch.Tensor) -> torch.Tensor:
 
 
 def _rows(flats: list[torch.Tensor], pads: tuple[int, ...], device: torch.device):
-    """The tensors' bytes, padded, as rows of 32-bit words, one bucket at a time."""
-    zeros = torch.zeros(4 * ROW, dtype=torch.uint8, device=device)
+    """The tensors' bytes, padded, as int8 rows of :data:`ROW` bytes, one bucket at a time."""
+    zeros = torch.zeros(ROW, dtype=torch.uint8, device=device)
     pieces, size = [], 0
     for flat, pad in zip(flats, pads):
-        whole = not pad and flat.numel() >= IN_PLACE and flat.storage_offset() % 4 == 0
+        # read where it lies from a 16-byte boundary (int8 products on CUDA want their operands so aligned)
+        whole = not pad and flat.numel() >= IN_PLACE and flat.data_ptr() % 16 == 0
         if pieces and (whole or size + flat.numel() + pad > BUCKET):
             yield _joined(pieces)
             pieces, size = [], 0
@@ -129,23 +134,45 @@ def _rows(flats: list[torch.Tensor], pads: tuple[int, ...], device: torch.device
 
 
 def _joined(pieces: list[torch.Tensor]) -> torch.Tensor:
-    # one piece is read in place where its bytes start on a word
-    whole = pieces[0] if len(pieces) == 1 and pieces[0].storage_offset() % 4 == 0 else torch.cat(pieces)
-    return whole.view(torch.int32).view(-1, ROW)
+    whole = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+    return whole.view(torch.int8).view(-1, ROW)
 
 
 def _row_sums(rows: torch.Tensor) -> torch.Tensor:
-    """Each row's words times the row weights, summed modulo 2**64."""
-    return rows.to(torch.int64).mul_(_weights(ROW, rows.device, seed=0)).sum(dim=1)
+    """Each row's products with the random int8 matrix times the column weights, summed modulo 2**64."""
+    return _products(rows).to(torch.int64).mul_(_column_weights(rows.device)).sum(dim=1)
+
+
+def _products(rows: torch.Tensor) -> torch.Tensor:
+    """``rows @ matrix`` in exact int32: by int8 products where the device has them, else in float32."""
+    matrix = _matrix(rows.device)
+    if _int8_products(rows.device):
+        if rows.shape[0] > 16:
+            return torch._int_mm(rows, matrix)
+        # CUDA's int8 product takes more than 16 rows: zero rows pad a bucket of fewer (their products are 0)
+        return torch._int_mm(torch.cat([rows, rows.new_zeros(17 - rows.shape[0], ROW)]), matrix)[:rows.shape[0]]
+    # float32 is exact while every sum is below 2**24: per stretch of FLOAT_EXACT bytes, summed in int32 after
+    parts = rows.view(-1, ROW // FLOAT_EXACT, FLOAT_EXACT).transpose(0, 1).to(torch.float32)
+    stretches = matrix.view(ROW // FLOAT_EXACT, FLOAT_EXACT, COLUMNS).to(torch.float32)
+    return torch.bmm(parts, stretches).to(torch.int32).sum(0, dtype=torch.int32)
+
+
+@functools.lru_cache(maxsize=8)
+def _int8_products(device: torch.device) -> bool:
+    """Whether ``torch._int_mm`` runs on ``device`` (an older GPU's cuBLAS may refuse it)."""
+    try:
+        rows = torch.ones(17, ROW, dtype=torch.int8, device=device)
+        return bool((torch._int_mm(rows, _matrix(device)) == _matrix(device).sum(0, dtype=torch.int32)).all())
+    except RuntimeError:
+        return False
 
 
 class _Layout:
     """Per tensor: the bytes padding it to whole rows; per row: its tensor and its place's weight."""
 
     def __init__(self, sizes: tuple[int, ...], device: torch.device):
-        row = 4 * ROW
-        counts = [max(-(-n // row), 1) for n in sizes]
-        self.pads = tuple(c * row - n for c, n in zip(counts, sizes))
+        counts = [max(-(-n // ROW), 1) for n in sizes]
+        self.pads = tuple(c * ROW - n for c, n in zip(counts, sizes))
         self.owner = torch.repeat_interleave(torch.arange(len(sizes), device="cpu"),
                                              torch.tensor(counts, device="cpu")).to(device)
         total = sum(counts)
@@ -155,6 +182,23 @@ class _Layout:
 @functools.lru_cache(maxsize=64)
 def _layout(sizes: tuple[int, ...], device: torch.device) -> _Layout:
     return _Layout(sizes, device)
+
+
+@functools.lru_cache(maxsize=8)
+def _matrix(device: torch.device) -> torch.Tensor:
+    """The ``(ROW, COLUMNS)`` random int8 matrix the rows are multiplied by: odd entries in [-127, 127]."""
+    generator = torch.Generator().manual_seed(0x1EA5 + 2)
+    drawn = torch.randint(-64, 64, (ROW, COLUMNS), generator=generator, dtype=torch.int64, device="cpu")
+    return (drawn * 2 + 1).to(torch.int8).to(device)
+
+
+@functools.lru_cache(maxsize=8)
+def _column_weights(device: torch.device) -> torch.Tensor:
+    """The products' weights in a row's digest: the first odd, the others even, so that each byte's (its odd
+    entries times them, summed) is odd."""
+    weights = _weights(COLUMNS, device, seed=0).clone()
+    weights[1:] -= 1
+    return weights
 
 
 @functools.lru_cache(maxsize=32)
