@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 import leancompile
 from conftest import spawn_ranks
-from test_loops_dancegrpo import ACCUMULATION, PerSampleSteps
+from test_loops_dancegrpo import PerSampleSteps
 from examples import dancegrpo_flux
 from leancompile.runtime.regional import RegionalEngine
 

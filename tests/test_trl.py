@@ -1,6 +1,5 @@
 """TRL's ``GRPOTrainer`` with a wrapped model, and Reweight under loss heads computing in float32 over a float64
 module (TRL's log-probabilities are float32 whatever the model's dtype)."""
-import copy
 import os
 import warnings
 
