@@ -56,6 +56,8 @@ class Optimized:
         engine, reference = self._engine, self._reference_engine
         if engine is None or (self._trial is not None and self._trial.native):
             stats = {**no_stats(), **self._natively(prompts), "trying": self._trial is not None}
+            if self._trial is not None:
+                self._trial.end(auto.now())
             if self._verdict is not None and not self._verdict.keeps:  # auto measured native faster: it said so
                 stats["stopped"] = str(self._verdict)
             return stats
@@ -76,6 +78,8 @@ class Optimized:
             self._predicted = None
         stats.update(extra)
         stats["trying"] = self._trial is not None
+        if self._trial is not None:
+            self._trial.end(auto.now())
         self.graphs.update(runtime_graphs(engine))
         return stats
 

@@ -98,12 +98,16 @@ def check_served_calls(trainer, marks, every_call_served: bool):
 
 
 def steps_clock(*program_seconds: float):
-    """auto's clock (``runtime.auto.now``), read once at the start of each of a trainer's steps while its trials
-    run, one trial per ``program_seconds``: its first step (which compiles) takes 5 s, then native's steps 1 s and
-    the program's its seconds, alternately, through the verdict at its eighth step (the next trial's first)."""
+    """auto's clock (``runtime.auto.now``) under ``optimize``, read at the start and the end of each of a trainer's
+    steps while its trials run, one trial per ``program_seconds``: its first step (which compiles) takes 5 s, then
+    native's steps 1 s and the program's its seconds, alternately, through the verdict at its eighth step's start
+    (the next trial's first step). Between two steps the caller takes 10 s, which is neither program's."""
     durations = [d for seconds in program_seconds for d in (5.0, 1.0, seconds, 1.0, seconds, 1.0, seconds)]
-    times = [sum(durations[:i]) for i in range(len(durations) + 1)]
-    return iter(times).__next__
+    times, at = [], 0.0
+    for duration in durations:
+        times += [at, at + duration]
+        at += duration + 10.0
+    return iter([*times, at]).__next__
 
 
 def spawn_ranks(worker, world: int, out, *args) -> list:

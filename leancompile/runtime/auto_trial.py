@@ -1,7 +1,9 @@
 """auto at run time: the per-row program tried against native over whole cycles of the loop.
 
 In ``wrap`` a cycle runs from one rollout's first call to the next's (a rollout: calls without grad after an
-optimizer step); in ``optimize`` it is one of the trainer's steps. Either holds all the loop does: the rollout, its rewards, the update, its optimizer steps, the engine's checks, and a
+optimizer step); in ``optimize`` it is one of the trainer's steps, from its start to its end (what the caller runs
+between steps is neither program's: a benchmark stepping other trainers in between diluted a 6% gain to 2%). Either
+holds all the loop does: the rollout, its rewards, the update, its optimizer steps, the engine's checks, and a
 compile that recurs at every step (a module whose state differs at each). Timing single calls beside the program
 misses what a step costs around them (caches the program's kept activations push out, gradients accumulated rather
 than returned), and did so by 20-40% on the CPU; a cycle is the unit the user's speed is measured in.
@@ -57,11 +59,17 @@ class Trial:
         """Whether the current cycle runs natively (the program is neither run nor kept)."""
         return self.mode == "native"
 
-    def rollout(self, now: float, compiled: float) -> Verdict | None:
-        """A rollout begins at ``now`` (seconds): the cycle before it ends, and the next one's mode is set. Returns
-        the verdict when this ends the last pair (``compiled``: the program's compile seconds so far)."""
+    def end(self, now: float) -> None:
+        """The current cycle ends at ``now`` (seconds), where it has not ended yet."""
         if self.began is not None and self.cycles > 1:  # the first cycle compiled: not compared
             self.seconds[self.mode].append(now - self.began)
+        self.began = None
+
+    def rollout(self, now: float, compiled: float) -> Verdict | None:
+        """A rollout begins at ``now`` (seconds): the cycle before it ends (where :meth:`end` has not ended it), and
+        the next one's mode is set. Returns the verdict when this ends the last pair (``compiled``: the program's
+        compile seconds so far)."""
+        self.end(now)
         self.began, self.cycles = now, self.cycles + 1
         self.mode = "native" if self.cycles % 2 == 0 else "program"
         if len(self.seconds["program"]) < PAIRS:
