@@ -97,3 +97,21 @@ def test_a_wrapped_loop_on_cuda_trains_exactly_as_its_native_version(name):
     for g, g_native in zip(grads, native_grads, strict=True):
         assert _relative(g, g_native) <= 1e-10
     assert trained_module(wrapped).stats()["served_calls"] == served
+
+
+def test_the_digest_on_cuda_gives_the_cpus_integers_and_sees_one_changed_byte():
+    """CUDA's digest by int8 products (:mod:`leancompile.runtime.digest`) computes the integers the CPU computes
+    with ``weighted=True`` (the same rows, matrix and weights), whichever of int8 or float32 products the device
+    takes, on tensors read in place and copied into buckets alike; one flipped byte changes its tensor's alone."""
+    from leancompile.runtime import digest as module
+
+    generator = torch.Generator().manual_seed(0)
+    tensors = [torch.randn(512, 256, generator=generator), torch.randn(100, 333, generator=generator),
+               torch.randn(7, generator=generator).to(torch.bfloat16)]
+    on_cpu = module.digest(tensors, weighted=True)
+    on_cuda = module.digest([t.to(CUDA) for t in tensors])
+    assert on_cuda.device.type == "cuda" and torch.equal(on_cuda.cpu(), on_cpu)
+    changed = [t.to(CUDA) for t in tensors]
+    changed[0].view(-1).view(torch.uint8)[12345] ^= 1
+    after = module.digest(changed).cpu()
+    assert after[0] != on_cpu[0] and torch.equal(after[1:], on_cpu[1:])
