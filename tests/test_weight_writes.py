@@ -66,6 +66,9 @@ def test_the_weighted_digest_reads_whole_rows_in_place_and_its_fallback_gives_th
                torch.randn(5, 2, generator=generator).t()]
     rows = next(module._rows([module._bytes(big)], (0,), big.device))
     assert rows.data_ptr() == big.data_ptr() and rows.shape == (big.nbytes // module.ROW, module.ROW)
+    shifted = torch.randn(1 + big.numel(), generator=generator)[1:]  # whole rows off a 16-byte boundary: copied
+    assert next(module._rows([module._bytes(shifted)], (0,), big.device)).data_ptr() % 16 == 0
+    assert torch.equal(digest([shifted], weighted=True), digest([shifted.clone()], weighted=True))
     products = digest(tensors, weighted=True)
     monkeypatch.setattr(module, "_int8_products", lambda device: False)
     assert torch.equal(digest(tensors, weighted=True), products)

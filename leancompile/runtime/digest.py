@@ -119,8 +119,7 @@ def _rows(flats: list[torch.Tensor], pads: tuple[int, ...], device: torch.device
     zeros = torch.zeros(ROW, dtype=torch.uint8, device=device)
     pieces, size = [], 0
     for flat, pad in zip(flats, pads):
-        # read where it lies from a 16-byte boundary (int8 products on CUDA want their operands so aligned)
-        whole = not pad and flat.numel() >= IN_PLACE and flat.data_ptr() % 16 == 0
+        whole = not pad and flat.numel() >= IN_PLACE and flat.data_ptr() % 16 == 0  # see _joined
         if pieces and (whole or size + flat.numel() + pad > BUCKET):
             yield _joined(pieces)
             pieces, size = [], 0
@@ -134,7 +133,9 @@ def _rows(flats: list[torch.Tensor], pads: tuple[int, ...], device: torch.device
 
 
 def _joined(pieces: list[torch.Tensor]) -> torch.Tensor:
-    whole = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+    """The pieces as rows: one piece read where it lies from a 16-byte boundary (int8 products on CUDA want their
+    operands so aligned), else copied."""
+    whole = pieces[0] if len(pieces) == 1 and pieces[0].data_ptr() % 16 == 0 else torch.cat(pieces)
     return whole.view(torch.int8).view(-1, ROW)
 
 
