@@ -99,7 +99,7 @@ def test_auto_tries_the_program_against_native_over_whole_steps(monkeypatch, tri
     median pair decides at the next step. The planner's pick (Retain) measured slower, the runner-up (Reweight) is
     tried the same way from that step on; measured slower too, the trainer runs natively from then on and says why
     in the stats and a warning, else it keeps serving. Either way its weights stay native's."""
-    config = dataclasses.replace(CONFIG, dtype="float64")
+    config = dataclasses.replace(CONFIG, dtype="float64", num_steps=4, group_size=2)  # short steps: up to 16 of them
     overrides = {"qk_norm": None}  # SD3.5's float32 RMSNorm would bound float64 agreement (tests of Retain)
     monkeypatch.setattr(calibration, "overheads", lambda device_type: NEGLIGIBLE)
     monkeypatch.setattr(auto, "AUTO_FLOOR", FLOOR)
