@@ -119,11 +119,11 @@ def _rows(flats: list[torch.Tensor], pads: tuple[int, ...], device: torch.device
     zeros = torch.zeros(ROW, dtype=torch.uint8, device=device)
     pieces, size = [], 0
     for flat, pad in zip(flats, pads):
-        whole = not pad and flat.numel() >= IN_PLACE and flat.data_ptr() % 16 == 0  # see _joined
+        whole = not pad and flat.numel() >= IN_PLACE
         if pieces and (whole or size + flat.numel() + pad > BUCKET):
             yield _joined(pieces)
             pieces, size = [], 0
-        if whole:  # read where it lies, not copied
+        if whole:  # read where it lies where aligned (_joined)
             yield _joined([flat])
             continue
         pieces += [flat, zeros[:pad]] if pad else [flat]
